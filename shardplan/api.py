@@ -1,0 +1,62 @@
+"""The three entry points: ``parallelize``, ``plan`` and ``verify``."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from .errors import CaptureError, ConfigurationError
+from .ruleset import load_rules
+from .runtime.comm import Group, as_group
+from .sharded import ShardedModule
+
+
+def parallelize(model: nn.Module, tp: int | None = None, *, group=None, mesh=None,
+                example_inputs=None, rules="megatron", gather_output: bool = True,
+                strict: bool = False) -> ShardedModule:
+    """Megatron tensor parallelism for ``model`` over a process group.
+
+    Returns a module with the same call signature holding only this rank's
+    shards; ``.plan`` says what was decided. ``group`` is a
+    ``torch.distributed`` process group (default: the world) or a shardplan
+    ``Group``; with ``mesh`` (a ``DeviceMesh``), its "tp" dimension.
+    """
+    grp = _group(group, mesh)
+    if tp is not None and tp != grp.size:
+        raise ConfigurationError(
+            f"tp={tp} but the process group has {grp.size} ranks",
+            fix="pass tp equal to the group size, or a group (or mesh) of tp ranks")
+    if isinstance(model, ShardedModule):
+        raise ConfigurationError("this model is already parallelized",
+                                 where=type(model).__name__,
+                                 fix="parallelize the original, unsharded model once")
+    example = example_args(model, example_inputs)
+    sharded = ShardedModule(model, grp, load_rules(rules), example=example,
+                            gather_output=gather_output, strict=strict)
+    return sharded
+
+
+def _group(group, mesh) -> Group:
+    if mesh is not None:
+        names = mesh.mesh_dim_names or ()
+        group = mesh.get_group("tp") if "tp" in names else mesh.get_group()
+    return as_group(group)
+
+
+def example_args(model: nn.Module, example_inputs) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` to capture with: given, or token ids for a language model."""
+    if example_inputs is not None:
+        if isinstance(example_inputs, dict):
+            return (), example_inputs
+        if isinstance(example_inputs, torch.Tensor):
+            return (example_inputs,), {}
+        return tuple(example_inputs), {}
+    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    if not embeddings:
+        raise CaptureError(
+            f"cannot infer example inputs for {type(model).__name__}: it has no token embedding",
+            where=type(model).__name__,
+            fix="pass example_inputs=(tensor, ...) shaped as you call the model")
+    vocab = max(e.num_embeddings for e in embeddings)
+    device = next(model.parameters()).device
+    return (torch.randint(0, vocab, (2, 8), device=device),), {}

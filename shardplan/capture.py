@@ -1,0 +1,186 @@
+"""capture: a model and example inputs -> an ATen-level ``fx.GraphModule``.
+
+Non-strict ``torch.export`` first (it captures real Transformers, keeps
+linear/embedding/SDPA/cross-entropy as single nodes, and records the owning
+module and the user's source line on every node); symbolic tracing followed by
+export as the fallback for forwards that export cannot read directly. Every
+tensor dim is exported as ``Dim.AUTO``: batch and sequence stay symbolic,
+model sizes become literals. Nothing real is computed: export runs on fake
+tensors, so a model built on ``meta`` captures without memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import threading
+import traceback
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.export import Dim
+
+from .errors import CaptureError
+
+GUARDS = "_guards_fn"
+_EXPORT_LOCK = threading.Lock()  # torch.export keeps global state: one at a time
+
+
+@dataclass
+class Captured:
+    """One capture of ``model`` for one call signature and mode."""
+
+    gm: fx.GraphModule
+    aliases: dict[str, str]  # every parameter/buffer FQN -> its canonical FQN (tying)
+    truncated: dict[str, tuple[int, int]]  # ModuleList FQN -> (captured, real) length
+
+
+def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
+            truncate: bool = False) -> Captured:
+    """Capture ``model(*args, **kwargs)`` in its current train/eval mode.
+
+    With ``truncate``, lists of three or more identical blocks are captured
+    with their first two only (planning a deep model in seconds); the plan
+    stamps block 1's decisions onto the rest.
+    """
+    kwargs = dict(kwargs or {})
+    with _EXPORT_LOCK, _truncated(model) if truncate else contextlib.nullcontext({}) as cut:
+        try:
+            gm = _export(model, args, kwargs)
+        except CaptureError:
+            raise
+        except Exception as first:  # export refused the forward: try tracing first
+            try:
+                traced = fx.symbolic_trace(model, concrete_args=_none_kwargs(model, args, kwargs))
+                gm = _export(traced, args, kwargs)
+            except Exception:
+                raise CaptureError(
+                    f"could not capture {type(model).__name__}.forward: "
+                    f"{type(first).__name__}: {_first_line(first)}",
+                    where=type(model).__name__, source=_user_line(first),
+                    fix="make the forward traceable at that line (no Python control flow on "
+                        "tensor values, no .item()), or pass example_inputs matching how "
+                        "you call the model") from first
+    return Captured(gm, _aliases(model), cut)
+
+
+def _export(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
+    shapes = _auto_shapes(model, args, kwargs)
+    ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=shapes)
+    return ep.module()
+
+
+def _auto_shapes(model: nn.Module, args: tuple, kwargs: dict) -> dict:
+    """``Dim.AUTO`` for every dim of every tensor input, keyed by parameter name."""
+    sig = inspect.signature(model.forward)
+    bound = sig.bind(*args, **kwargs)
+    shapes = {}
+    for name, value in bound.arguments.items():
+        kind = sig.parameters[name].kind
+        if kind == inspect.Parameter.VAR_POSITIONAL:
+            shapes[name] = tuple(_dims(v) for v in value)
+        elif kind == inspect.Parameter.VAR_KEYWORD:
+            shapes[name] = {k: _dims(v) for k, v in value.items()}
+        else:
+            shapes[name] = _dims(value)
+    return shapes
+
+
+def _dims(value):
+    if isinstance(value, torch.Tensor):
+        return {i: Dim.AUTO for i in range(value.dim())}
+    return None
+
+
+def _none_kwargs(model, args, kwargs) -> dict:
+    """Arguments left at ``None`` are fixed for symbolic tracing."""
+    sig = inspect.signature(model.forward)
+    bound = sig.bind(*args, **kwargs)
+    return {n: None for n, p in sig.parameters.items()
+            if n not in bound.arguments and p.default is None}
+
+
+def _aliases(model: nn.Module) -> dict[str, str]:
+    """FQN -> canonical FQN for parameters and buffers, by tensor identity."""
+    first: dict[int, str] = {}
+    out = {}
+    for kind in (model.named_parameters, model.named_buffers):
+        for name, t in kind(remove_duplicate=False):
+            out[name] = first.setdefault(id(t), name)
+    return out
+
+
+@contextlib.contextmanager
+def _truncated(model: nn.Module):
+    """Temporarily keep the first two blocks of every long list of identical blocks."""
+    cut: dict[str, tuple[int, int]] = {}
+    saved = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) >= 3 and _identical(list(mod)):
+            saved.append((mod, list(mod._modules.items())))
+            cut[name] = (2, len(mod))
+    try:
+        for mod, items in saved:
+            mod._modules = dict(items[:2])
+        yield cut
+    finally:
+        for mod, items in saved:
+            mod._modules = dict(items)
+
+
+def _identical(blocks: list[nn.Module]) -> bool:
+    def signature(m):
+        return type(m), [(n, tuple(p.shape), p.dtype) for n, p in m.named_parameters()]
+    first = signature(blocks[0])
+    return all(signature(b) == first for b in blocks[1:])
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else ""
+
+
+def _user_line(e: BaseException) -> str | None:
+    """The innermost frame of the user's code (outside torch and shardplan)."""
+    best = None
+    for frame in traceback.extract_tb(e.__traceback__):
+        path = frame.filename.replace("\\", "/")
+        if "/torch/" in path or "/shardplan/" in path or "/site-packages/" in path and "transformers" not in path:
+            continue
+        if frame.filename.startswith("<"):
+            continue
+        best = f"{frame.filename}:{frame.lineno}: {(frame.line or '').strip()}"
+    return best
+
+
+def source_of(node: fx.Node) -> str | None:
+    """The user's source line that produced ``node``, as ``file:line: code``."""
+    trace = node.meta.get("stack_trace")
+    if not trace:
+        return None
+    lines = trace.strip().splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        line = lines[i].strip()
+        if line.startswith("File "):
+            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            parts = line.split(", ")
+            path = parts[0][len('File "'):-1]
+            lineno = parts[1].replace("line ", "") if len(parts) > 1 else "?"
+            return f"{path}:{lineno}: {code}"
+    return None
+
+
+def module_of(node: fx.Node) -> str:
+    """FQN of the innermost module that produced ``node`` ('' for the root)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    for fqn, _ in reversed(list(stack.values())):
+        if not fqn.startswith("_"):
+            return _clean_fqn(fqn)
+    return ""
+
+
+def _clean_fqn(fqn: str) -> str:
+    # export spells list indices as "h.0" or "L['self'].h[0]"-like in some versions
+    return fqn.replace("[", ".").replace("]", "").replace("'", "")

@@ -1,0 +1,113 @@
+"""The modules a rewritten graph calls at its communication points.
+
+Each is a small ``nn.Module`` so that ``print(sharded.code)`` shows every
+communication point by name (``self.tp_f_3(x)``, ``self.tp_g_0(y)``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..layouts import Shard
+from .comm import Group
+from .layers import check_ids, vocab_range
+from .loss import vocab_parallel_cross_entropy
+from .mappings import copy_to_region, reduce_from_region
+
+
+class CopyToRegion(nn.Module):
+    """f: identity forward, all-reduce of the gradient backward."""
+
+    def __init__(self, group: Group, site: str):
+        super().__init__()
+        self.group, self.site = group, site
+
+    def forward(self, x):
+        return copy_to_region(x, self.group, site=self.site)
+
+
+class ReduceFromRegion(nn.Module):
+    """g: all-reduce forward, identity backward."""
+
+    def __init__(self, group: Group, site: str):
+        super().__init__()
+        self.group, self.site = group, site
+
+    def forward(self, x):
+        return reduce_from_region(x, self.group, site=self.site)
+
+
+class VocabLookup(nn.Module):
+    """This rank's rows of an embedding: ids it does not own give zero rows.
+
+    Its output is partial; a ``ReduceFromRegion`` follows it in the graph.
+    """
+
+    def __init__(self, num_embeddings: int, padded: int, group: Group, padding_idx=None):
+        super().__init__()
+        self.num_embeddings = num_embeddings
+        self.start, self.end = vocab_range(padded, group.rank, group.size)
+        self.padding_idx = padding_idx
+
+    def forward(self, weight, ids):
+        check_ids(ids, self.num_embeddings, "vocab-parallel embedding")
+        outside = (ids < self.start) | (ids >= self.end)
+        rows = F.embedding((ids - self.start).masked_fill(outside, 0), weight)
+        return rows.masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+class VocabCrossEntropy(nn.Module):
+    """``aten.cross_entropy_loss`` on vocab-sharded logits (class dim 1)."""
+
+    _REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
+
+    def __init__(self, group: Group, vocab_size: int, reduction: int, ignore_index: int,
+                 label_smoothing: float, site: str):
+        super().__init__()
+        self.group, self.vocab_size, self.site = group, vocab_size, site
+        self.reduction = self._REDUCTIONS[reduction]
+        self.ignore_index, self.label_smoothing = ignore_index, label_smoothing
+
+    def forward(self, logits, target):
+        if logits.dim() > 2:
+            logits = logits.movedim(1, -1)
+        return vocab_parallel_cross_entropy(
+            logits, target, self.group, vocab_size=self.vocab_size,
+            ignore_index=self.ignore_index, label_smoothing=self.label_smoothing,
+            reduction=self.reduction, site=self.site)
+
+
+class _GatherShard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, layout, full, site):
+        ctx.group, ctx.layout = group, layout
+        parts = group.all_gather(x, layout.dim, direction="forward", site=site)
+        return layout.unshard(list(parts.chunk(group.size, layout.dim)), full)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.layout.slice(grad, ctx.group.rank, ctx.group.size), None, None, None, None
+
+
+class GatherShard(nn.Module):
+    """All-gather a (possibly blocked or padded) shard into the full tensor."""
+
+    def __init__(self, group: Group, layout: Shard, full: int, site: str):
+        super().__init__()
+        self.group, self.layout, self.full, self.site = group, layout, full, site
+
+    def forward(self, x):
+        return _GatherShard.apply(x, self.group, self.layout, self.full, self.site)
+
+
+class LocalShard(nn.Module):
+    """This rank's slice of a replicated tensor (no communication)."""
+
+    def __init__(self, layout: Shard, rank: int, tp: int):
+        super().__init__()
+        self.layout, self.rank, self.tp = layout, rank, tp
+
+    def forward(self, x):
+        return self.layout.slice(x, self.rank, self.tp)

@@ -1,0 +1,78 @@
+"""The communication ledger: a record of every collective the runtime issues.
+
+    with CommLedger() as ledger:
+        loss = model(x).sum(); loss.backward()
+    ledger.count(kind="all_reduce", direction="forward")
+
+Ledgers are per thread, so each simulated rank keeps its own.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass
+
+_local = threading.local()
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    """One collective as one rank saw it.
+
+    ``elements`` is the logical size of the collective: the reduced tensor for
+    an all-reduce, the gathered (full) tensor for an all-gather, the input
+    (full) tensor for a reduce-scatter.
+    """
+
+    kind: str  # all_reduce | all_gather | reduce_scatter | broadcast
+    group_size: int
+    elements: int
+    bytes: int
+    direction: str  # forward | backward | none
+    site: str
+    op: str = "sum"
+
+
+class CommLedger:
+    """Context manager collecting ``CommRecord``s issued on this thread."""
+
+    def __init__(self) -> None:
+        self.records: list[CommRecord] = []
+
+    def __enter__(self) -> CommLedger:
+        _stack().append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _stack().remove(self)
+
+    def filter(self, **match) -> list[CommRecord]:
+        """Records whose fields equal every given keyword."""
+        return [r for r in self.records
+                if all(getattr(r, k) == v for k, v in match.items())]
+
+    def count(self, **match) -> int:
+        return len(self.filter(**match))
+
+    def total_bytes(self, **match) -> int:
+        return sum(r.bytes for r in self.filter(**match))
+
+    def summary(self) -> Counter:
+        """How many collectives of each (kind, direction, elements)."""
+        return Counter((r.kind, r.direction, r.elements) for r in self.records)
+
+
+def _stack() -> list[CommLedger]:
+    if not hasattr(_local, "stack"):
+        _local.stack = []
+    return _local.stack
+
+
+def recording() -> bool:
+    return bool(_stack())
+
+
+def record(rec: CommRecord) -> None:
+    for ledger in _stack():
+        ledger.records.append(rec)
