@@ -1,12 +1,13 @@
 """shardplan: Megatron-LM tensor parallelism for plain PyTorch models, planned from the graph."""
 
 from .api import parallelize
+from .plan import Plan, plan
 from .errors import (CaptureError, CheckpointError, CommunicationError, ConfigurationError,
                      DivisibilityError, LayoutError, RuleError, ShardplanError)
 from .layouts import Partial, Replicate, Shard
 
 __all__ = [
-    "parallelize",
+    "parallelize", "plan", "Plan",
     "Replicate", "Shard", "Partial",
     "ShardplanError", "CaptureError", "CheckpointError", "CommunicationError",
     "ConfigurationError", "DivisibilityError", "LayoutError", "RuleError",

@@ -1,0 +1,294 @@
+"""plan: the decisions as data.
+
+A ``Plan`` lists every parameter's layout and local shape, every collective
+(kind, direction, bytes, graph node, source line), every decision with the
+rule that made it, per-rank memory and warnings. It is built from the same
+rewritten graph a rank would run, so it cannot disagree with the runtime.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+import warnings
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from pydantic import BaseModel, Field
+
+from .capture import Captured, capture, module_of, source_of
+from .engine import Annotation, annotate, hint, shape
+from .errors import CommunicationError
+from .layouts import Partial, Replicate, Shard
+from .rewrite import rewrite
+from .ruleset import RuleSet, load_rules
+from .runtime.comm import Group
+from .runtime.graph_ops import CopyToRegion, GatherShard, ReduceFromRegion, VocabCrossEntropy
+from .shards import local_shape
+
+SCHEMA_VERSION = 1
+
+
+class ParamEntry(BaseModel):
+    name: str
+    aliases: list[str] = []
+    layout: str
+    global_shape: list[int]
+    local_shape: list[int]
+    dtype: str
+    bytes_per_rank: int
+    rule: str
+
+
+class CollectiveEntry(BaseModel):
+    kind: str  # all_reduce | all_gather
+    direction: str  # forward | backward
+    purpose: str  # f | g | vocab_loss | gather_output
+    elements: int  # for the plan's example inputs
+    elements_per_token: float
+    bytes: int
+    node: str
+    module: str
+    source: str | None = None
+
+
+class Decision(BaseModel):
+    node: str
+    module: str
+    role: str  # column | row | vocab_embedding | vocab_loss | replicated
+    layout: str
+    rule: str
+    evidence: list[str] = []
+    source: str | None = None
+
+
+class Memory(BaseModel):
+    param_bytes_per_rank: int
+    param_bytes_unsharded: int
+
+
+class Plan(BaseModel):
+    """What shardplan decided for one model at one tp."""
+
+    schema_version: int = SCHEMA_VERSION
+    model: str
+    tp: int
+    rules: str
+    tokens: int = Field(description="tokens (batch x sequence) of the example inputs")
+    params: list[ParamEntry]
+    collectives: list[CollectiveEntry]
+    decisions: list[Decision]
+    warnings: list[str]
+    memory: Memory
+    repeated: dict[str, list[int]] = Field(
+        default={}, description="block lists planned once: FQN -> [captured, real] length")
+
+    def count(self, **match) -> int:
+        return sum(1 for c in self.collectives
+                   if all(getattr(c, k) == v for k, v in match.items()))
+
+    def param(self, name: str) -> ParamEntry:
+        for p in self.params:
+            if p.name == name or name in p.aliases:
+                return p
+        raise KeyError(name)
+
+    def report(self, width: int = 100) -> str:
+        from .report import render_text
+        return render_text(self, width)
+
+    def to_json(self, **kw) -> str:
+        return self.model_dump_json(indent=2, **kw)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        return cls.model_validate_json(text)
+
+
+class PlanningGroup(Group):
+    """A group of ``size`` ranks seen from rank 0, for building graphs never run."""
+
+    def __init__(self, size: int):
+        self.rank, self.size = 0, size
+
+    def _fail(self, *a, **k):
+        raise CommunicationError("a planning graph cannot communicate",
+                                 fix="use parallelize() to get a runnable module")
+
+    _all_reduce = _all_gather = _reduce_scatter = _broadcast = _barrier = _fail
+
+
+def plan(model: nn.Module, tp: int, *, example_inputs=None, rules="megatron",
+         strict: bool = False) -> Plan:
+    """The plan for ``model`` at ``tp``, with no process group and no real memory.
+
+    Lists of identical blocks are captured and planned once (two blocks), and
+    their decisions stamped onto the rest.
+    """
+    from .api import example_args
+    ruleset = load_rules(rules)
+    args, kwargs = example_args(model, example_inputs)
+    captured = capture(model, args, kwargs, truncate=True)
+    ann = annotate(captured.gm, tp, ruleset, strict=strict)
+    return build_plan(model, captured, ann, ruleset, args, kwargs)
+
+
+def build_plan(model: nn.Module, captured: Captured, ann: Annotation, ruleset: RuleSet,
+               args, kwargs) -> Plan:
+    """A ``Plan`` from an annotation (rewrites a copy of the graph to find the collectives)."""
+    tp = ann.tp
+    tokens = _tokens(args, kwargs)
+    decisions = _decisions(ann)
+    layouts = {captured.aliases.get(k, k): v for k, v in ann.params.items()}
+    with warnings.catch_warnings():  # torch's own pytree deprecation, inside deepcopy
+        warnings.simplefilter("ignore", FutureWarning)
+        gm = copy.deepcopy(ann.gm)
+    node_map = {a.name: b for a, b in zip(ann.gm.graph.nodes, gm.graph.nodes)}
+    shadow = Annotation(gm, tp, {node_map[n.name]: v for n, v in ann.layouts.items()},
+                        {node_map[n.name]: v for n, v in ann.outcomes.items()}, ann.params,
+                        {node_map[n.name]: v for n, v in ann.requires_grad.items()},
+                        ann.disabled, ann.warnings, ruleset)
+    rewrite(shadow, PlanningGroup(tp), gather_output=True)
+    collectives = _collectives(gm, shadow, tokens)
+    stamp = _Stamp(captured.truncated)
+    params = _params(model, captured, layouts, tp, stamp)
+    collectives = stamp.entries(collectives)
+    decisions = stamp.entries(decisions)
+    per_rank = sum(p.bytes_per_rank for p in params)
+    unsharded = sum(math.prod(p.global_shape) * _itemsize(p.dtype) for p in params)
+    return Plan(model=type(model).__name__, tp=tp, rules=ruleset.name, tokens=tokens,
+                params=params, collectives=collectives, decisions=decisions,
+                warnings=list(ann.warnings),
+                memory=Memory(param_bytes_per_rank=per_rank, param_bytes_unsharded=unsharded),
+                repeated={k: list(v) for k, v in captured.truncated.items()})
+
+
+def _tokens(args, kwargs) -> int:
+    tensors = [x for x in list(args) + list(kwargs.values()) if isinstance(x, torch.Tensor)]
+    ints = [t for t in tensors if not t.is_floating_point()]
+    first = (ints or tensors or [None])[0]
+    if first is None:
+        return 1
+    return math.prod(first.shape) if not first.is_floating_point() else math.prod(first.shape[:2])
+
+
+def _decisions(ann: Annotation) -> list[Decision]:
+    out = []
+    for node, o in ann.outcomes.items():
+        role = o.role
+        if node in ann.disabled:
+            role = "replicated"
+        elif role == "local":
+            continue
+        lay = ann.layouts.get(node)
+        out.append(Decision(
+            node=node.name, module=module_of(node), role=role,
+            layout=str(Partial() if role in ("row", "partial", "vocab_embedding") else lay),
+            rule=ann.disabled.get(node, o.rule),
+            evidence=[a.name for a in node.all_input_nodes], source=source_of(node)))
+    return out
+
+
+def _collectives(gm: fx.GraphModule, ann: Annotation, tokens: int) -> list[CollectiveEntry]:
+    out = []
+    for node in gm.graph.nodes:
+        if node.op != "call_module" or not node.target.startswith("tp_"):
+            continue
+        mod = gm.get_submodule(node.target)
+        src = node.args[0]
+        val = src.meta.get("val") if isinstance(src, fx.Node) else None
+        numel = _numel(val)
+        size = val.element_size() if isinstance(val, torch.Tensor) else 4
+        if isinstance(mod, CopyToRegion):
+            entries = [("all_reduce", "backward", "f", numel)]
+        elif isinstance(mod, ReduceFromRegion):
+            entries = [("all_reduce", "forward", "g", numel)]
+        elif isinstance(mod, GatherShard):
+            entries = [("all_gather", "forward", "gather_output", _full_numel(src, mod))]
+        elif isinstance(mod, VocabCrossEntropy):
+            n = _numel(node.args[1].meta.get("val"))
+            size = 4  # the loss reduces in fp32
+            stacked = 2 if mod.label_smoothing else 1
+            entries = [("all_reduce", "forward", "vocab_loss", n * k) for k in (1, stacked, 1)]
+        else:
+            continue
+        origin = src if isinstance(src, fx.Node) else node
+        for kind, direction, purpose, elements in entries:
+            out.append(CollectiveEntry(
+                kind=kind, direction=direction, purpose=purpose, elements=elements,
+                elements_per_token=elements / max(tokens, 1), bytes=elements * size,
+                node=origin.name, module=module_of(origin), source=source_of(origin)))
+    return out
+
+
+def _numel(val) -> int:
+    if not isinstance(val, torch.Tensor):
+        return 0
+    return math.prod(hint(d) for d in val.shape)
+
+
+def _full_numel(src: fx.Node, mod: GatherShard) -> int:
+    dims = [hint(d) for d in shape(src)]
+    dims[mod.layout.dim] = mod.full
+    return math.prod(dims)
+
+
+def _itemsize(dtype: str) -> int:
+    return torch.empty((), dtype=getattr(torch, dtype.replace("torch.", ""))).element_size()
+
+
+def _params(model, captured: Captured, layouts, tp, stamp) -> list[ParamEntry]:
+    by_canon: dict[str, list[str]] = {}
+    for fqn, canon in captured.aliases.items():
+        by_canon.setdefault(canon, []).append(fqn)
+    entries = []
+    for name, p in model.named_parameters():
+        lay = layouts.get(name) or layouts.get(stamp.origin(name), Replicate())
+        local = local_shape(tuple(p.shape), lay, tp)
+        entries.append(ParamEntry(
+            name=name, aliases=[a for a in by_canon.get(name, []) if a != name],
+            layout=str(lay), global_shape=list(p.shape), local_shape=list(local),
+            dtype=str(p.dtype).replace("torch.", ""),
+            bytes_per_rank=math.prod(local) * p.element_size(),
+            rule=_param_rule(lay)))
+    return entries
+
+
+def _param_rule(lay) -> str:
+    if isinstance(lay, Shard):
+        if lay.padded:
+            return "split along the vocabulary (padded)"
+        return f"split on dim {lay.dim}" + (" by blocks" if lay.blocks else "")
+    return "replicated"
+
+
+class _Stamp:
+    """Block 1's decisions, stamped onto blocks 2..N-1 of lists captured with two blocks."""
+
+    def __init__(self, truncated: dict[str, tuple[int, int]]):
+        self.patterns = [(re.compile(rf"^({re.escape(k)}\.)(\d+)(\.|$)"), n)
+                         for k, (_, n) in truncated.items()]
+
+    def origin(self, name: str) -> str:
+        """The captured name standing for ``name`` (block k >= 2 -> block 1)."""
+        for pat, _ in self.patterns:
+            m = pat.match(name)
+            if m and int(m.group(2)) >= 2:
+                return pat.sub(r"\g<1>1\g<3>", name, count=1)
+        return name
+
+    def _copies(self, name: str) -> list[str]:
+        for pat, n in self.patterns:
+            m = pat.match(name)
+            if m and m.group(2) == "1":
+                return [pat.sub(rf"\g<1>{i}\g<3>", name, count=1) for i in range(2, n)]
+        return []
+
+    def entries(self, items: list) -> list:
+        out = []
+        for it in items:
+            out.append(it)
+            out.extend(it.model_copy(update={"module": m}) for m in self._copies(it.module))
+        return out

@@ -1,0 +1,81 @@
+"""The text layout report: warnings first, then memory, communication, and
+per-block tables with identical blocks collapsed."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter, OrderedDict
+
+_BLOCK = re.compile(r"^(.*?)\.(\d+)\.(.*)$")
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def render_text(plan, width: int = 100) -> str:
+    lines = [f"shardplan plan: {plan.model} at tp={plan.tp} (rules: {plan.rules}, "
+             f"{plan.tokens} tokens in the example)"]
+    if plan.warnings:
+        lines.append(f"\nWARNINGS ({len(plan.warnings)})")
+        lines += [f"  ! {_clip(w, width - 4)}" for w in plan.warnings]
+    m = plan.memory
+    ratio = m.param_bytes_per_rank / max(m.param_bytes_unsharded, 1)
+    lines.append(f"\nparameters per rank: {human(m.param_bytes_per_rank)} of "
+                 f"{human(m.param_bytes_unsharded)} unsharded ({ratio:.1%})")
+    lines.append("\ncommunication per training step (example inputs):")
+    groups = Counter()
+    nbytes = Counter()
+    for c in plan.collectives:
+        key = (c.direction, c.kind, c.purpose, c.elements_per_token)
+        groups[key] += 1
+        nbytes[key] += c.bytes
+    for (direction, kind, purpose, per_tok), n in sorted(groups.items()):
+        lines.append(f"  {direction:8} {n:4} x {kind:10} {purpose:13} "
+                     f"{per_tok:10.1f} elements/token  {human(nbytes[(direction, kind, purpose, per_tok)]):>11}")
+    total = sum(c.bytes for c in plan.collectives)
+    lines.append(f"  total {len(plan.collectives)} collectives, {human(total)}")
+    lines.append("\nparameters (layout: R replicated, S(d) split on dim d, |a+b blocks, |padN padded):")
+    for title, rows in _collapse(plan.params):
+        lines.append(f"  {title}")
+        for name, lay, gshape, lshape in rows:
+            lines.append(_clip(f"    {name:40} {lay:14} {str(gshape):>18} -> {str(lshape)}", width))
+    return "\n".join(lines)
+
+
+def _collapse(params):
+    """(title, rows) groups: one per top-level item, consecutive identical blocks merged."""
+    blocks: OrderedDict = OrderedDict()
+    for p in params:
+        m = _BLOCK.match(p.name)
+        if m:
+            key, idx, rest = m.group(1), int(m.group(2)), m.group(3)
+        else:
+            key, idx, rest = "", -1, p.name
+        blocks.setdefault((key, idx), []).append(
+            (rest, p.layout, tuple(p.global_shape), tuple(p.local_shape)))
+    out, prev = [], None
+    for (key, idx), rows in blocks.items():
+        if prev and prev[0] == key and prev[3] == rows and idx == prev[2] + 1:
+            prev[2] = idx
+            continue
+        prev = [key, idx, idx, rows]
+        out.append(prev)
+    result = []
+    for key, first, last, rows in out:
+        if first < 0:
+            title = "(top level)"
+        elif first == last:
+            title = f"{key}.{first}"
+        else:
+            title = f"{key}.{first}-{last} ({last - first + 1} identical blocks)"
+        result.append((title, rows))
+    return result
+
+
+def _clip(s: str, width: int) -> str:
+    return s if len(s) <= width else s[: width - 1] + "…"
