@@ -2,12 +2,13 @@
 
 from .api import parallelize
 from .plan import Plan, plan
+from .verify import VerifyReport, verify
 from .errors import (CaptureError, CheckpointError, CommunicationError, ConfigurationError,
                      DivisibilityError, LayoutError, RuleError, ShardplanError)
 from .layouts import Partial, Replicate, Shard
 
 __all__ = [
-    "parallelize", "plan", "Plan",
+    "parallelize", "plan", "Plan", "verify", "VerifyReport",
     "Replicate", "Shard", "Partial",
     "ShardplanError", "CaptureError", "CheckpointError", "CommunicationError",
     "ConfigurationError", "DivisibilityError", "LayoutError", "RuleError",

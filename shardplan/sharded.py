@@ -13,9 +13,10 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from .capture import capture
+from .capture import Captured, capture
 from .engine import Annotation, annotate
 from .layouts import Replicate
+from .plan import build_plan
 from .errors import ConfigurationError
 from .rewrite import bind, rewrite
 from .ruleset import RuleSet
@@ -27,14 +28,17 @@ class ShardedModule(nn.Module):
     """Holds this rank's shards; calls the rewritten graph for each call's signature."""
 
     def __init__(self, source: nn.Module, group: Group, rules: RuleSet, *,
-                 example: tuple[tuple, dict], gather_output: bool, strict: bool):
+                 example: tuple[tuple, dict], gather_output: bool, strict: bool,
+                 captured: Captured | None = None):
         super().__init__()
         self._source = [source]  # a list hides it from nn.Module's registry
         self._group, self._rules = group, rules
         self._gather, self._strict = gather_output, strict
         self._graphs: dict = {}
         args, kwargs = example
-        ann, captured = self._annotate(args, kwargs, source.training)
+        ann, captured = self._annotate(args, kwargs, source.training, captured)
+        #: what was decided (``Plan``), for the example inputs
+        self.plan = build_plan(source, captured, ann, rules, args, kwargs)
         self._layouts = dict(ann.params)
         self._aliases = captured.aliases
         self._tensors = local_tensors(source, self._layouts, self._aliases, group.rank, group.size)
@@ -78,15 +82,16 @@ class ShardedModule(nn.Module):
         self._last = gm
         return gm(*args, **kwargs)
 
-    def _annotate(self, args, kwargs, training: bool):
-        source = self._source[0]
-        device = _device_of(source)
-        was = source.training
-        source.train(training)
-        try:
-            captured = capture(source, _to(args, device), _to(kwargs, device))
-        finally:
-            source.train(was)
+    def _annotate(self, args, kwargs, training: bool, captured: Captured | None = None):
+        if captured is None:
+            source = self._source[0]
+            device = _device_of(source)
+            was = source.training
+            source.train(training)
+            try:
+                captured = capture(source, _to(args, device), _to(kwargs, device))
+            finally:
+                source.train(was)
         return annotate(captured.gm, self._group.size, self._rules, strict=self._strict), captured
 
     def _finish(self, ann: Annotation, captured, args, kwargs) -> fx.GraphModule:

@@ -1,0 +1,142 @@
+"""Megatron's communication mappings: one collective each, forward beside backward.
+
+Every function takes the tensor and a ``Group`` (see ``comm.as_group``) and
+returns a new tensor; each is an autograd Function whose two directions are
+each other's adjoint:
+
+    function                      forward                 backward
+    copy_to_region      (f)       identity                all-reduce
+    reduce_from_region  (g)       all-reduce              identity
+    scatter_to_region             keep own last-dim slice all-gather last dim
+    gather_from_region            all-gather last dim     keep own slice
+    gather_from_sequence          all-gather dim 0        reduce-scatter dim 0
+    reduce_scatter_to_sequence    reduce-scatter dim 0    all-gather dim 0
+
+Identity directions never communicate. ``site`` names the position in the
+model for the ledger; by default it is the caller's source line, and the
+backward collective reports the forward call's site.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import DivisibilityError
+from . import ledger
+from .comm import _caller, as_group
+
+
+def _site(site: str | None) -> str | None:
+    """``site``, or the caller's line when a ledger is listening (it costs a frame walk)."""
+    return site if site is not None or not ledger.recording() else _caller()
+
+
+def _own_slice(t: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """This rank's contiguous slice of ``t`` along ``dim``."""
+    if t.shape[dim] % group.size:
+        raise DivisibilityError(
+            f"cannot split dim {dim} of size {t.shape[dim]} over {group.size} ranks",
+            fix=f"the split dimension must be a multiple of tp={group.size}")
+    return t.chunk(group.size, dim)[group.rank].contiguous()
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, site):
+        ctx.group, ctx.site = group, site
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.group.all_reduce(grad, direction="backward", site=ctx.site), None, None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, site):
+        return group.all_reduce(x, direction="forward", site=site)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+class _ScatterToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, site):
+        ctx.group, ctx.site = group, site
+        return _own_slice(x, group, -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.group.all_gather(grad, -1, direction="backward", site=ctx.site), None, None
+
+
+class _GatherFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, site):
+        ctx.group = group
+        return group.all_gather(x, -1, direction="forward", site=site)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _own_slice(grad, ctx.group, -1), None, None
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, site):
+        ctx.group, ctx.site = group, site
+        return group.all_gather(x, 0, direction="forward", site=site)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.group.reduce_scatter(grad, 0, direction="backward", site=ctx.site), None, None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, site):
+        ctx.group, ctx.site = group, site
+        return group.reduce_scatter(x, 0, direction="forward", site=site)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.group.all_gather(grad, 0, direction="backward", site=ctx.site), None, None
+
+
+def copy_to_region(x: torch.Tensor, group, *, site: str | None = None) -> torch.Tensor:
+    """Megatron's f: identity forward, all-reduce of the gradient backward.
+
+    Place it once on a replicated tensor entering a tensor-parallel region.
+    """
+    return _CopyToRegion.apply(x, as_group(group), _site(site))
+
+
+def reduce_from_region(x: torch.Tensor, group, *, site: str | None = None) -> torch.Tensor:
+    """Megatron's g: all-reduce forward (``Partial`` -> replicated), identity backward."""
+    return _ReduceFromRegion.apply(x, as_group(group), _site(site))
+
+
+def scatter_to_region(x: torch.Tensor, group, *, site: str | None = None) -> torch.Tensor:
+    """Keep this rank's slice of the last dim; backward all-gathers the gradient."""
+    return _ScatterToRegion.apply(x, as_group(group), _site(site))
+
+
+def gather_from_region(x: torch.Tensor, group, *, site: str | None = None) -> torch.Tensor:
+    """All-gather the last dim; backward keeps this rank's slice of the gradient."""
+    return _GatherFromRegion.apply(x, as_group(group), _site(site))
+
+
+def gather_from_sequence(x: torch.Tensor, group, *, site: str | None = None) -> torch.Tensor:
+    """All-gather along dim 0 (the sequence); backward reduce-scatters the gradient."""
+    return _GatherFromSequence.apply(x, as_group(group), _site(site))
+
+
+def reduce_scatter_to_sequence(x: torch.Tensor, group, *, site: str | None = None) -> torch.Tensor:
+    """Sum over ranks and keep this rank's slice of dim 0; backward all-gathers."""
+    return _ReduceScatterToSequence.apply(x, as_group(group), _site(site))
+
+
+f = copy_to_region
+g = reduce_from_region

@@ -1,0 +1,181 @@
+"""verify: does the sharded model compute what the unsharded one does?
+
+Runs the model unsharded and, on simulated ranks in this process, sharded;
+compares outputs, loss and every parameter gradient (shards gathered). When
+they differ, replays both graphs node by node and names the first node whose
+value diverges.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from pydantic import BaseModel
+from torch.fx import _pytree as fx_pytree
+from torch.utils import _pytree as pytree
+
+from .capture import capture
+from .layouts import Partial, Shard
+from .ranks import SimulatedRanks
+from .ruleset import load_rules
+from .sharded import ShardedModule
+
+
+class Difference(BaseModel):
+    name: str
+    max_abs: float
+    max_rel: float
+
+
+class VerifyReport(BaseModel):
+    """Max differences between the simulated sharded run and the unsharded run."""
+
+    model: str
+    tp: int
+    ok: bool
+    atol: float
+    rtol: float
+    outputs: list[Difference]
+    loss: Difference
+    grads: list[Difference]
+    first_divergent_node: str | None = None
+
+    def worst(self) -> Difference:
+        return max([*self.outputs, self.loss, *self.grads], key=lambda d: d.max_abs)
+
+    def __str__(self) -> str:
+        w = self.worst()
+        head = "OK" if self.ok else "MISMATCH"
+        text = (f"{head}: {self.model} at tp={self.tp}: {len(self.outputs)} outputs, loss and "
+                f"{len(self.grads)} gradients; worst {w.name}: abs {w.max_abs:.2e}, "
+                f"rel {w.max_rel:.2e} (atol {self.atol:g}, rtol {self.rtol:g})")
+        if self.first_divergent_node:
+            text += f"\nfirst divergent node: {self.first_divergent_node}"
+        return text
+
+
+def verify(model: nn.Module, tp: int, *, example_inputs=None, loss_fn=None,
+           rules="megatron", atol: float = 1e-5, rtol: float = 1e-4) -> VerifyReport:
+    """Compare ``parallelize(model, tp)`` on simulated ranks with ``model`` itself.
+
+    ``loss_fn(output) -> scalar`` defaults to the model's own scalar output
+    (a language model's loss), else the mean square of its floating outputs.
+    """
+    from .api import example_args
+    args, kwargs = example_args(model, example_inputs)
+    ruleset = load_rules(rules)
+    ref = copy.deepcopy(model)
+    out = ref(*args, **kwargs)
+    loss = _loss(out, loss_fn)
+    loss.backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    captured = capture(model, args, kwargs)
+
+    def rank(ctx, record: bool):
+        sharded = ShardedModule(copy.deepcopy(model), ctx.group, ruleset, example=(args, kwargs),
+                                gather_output=True, strict=False, captured=copy.deepcopy(captured))
+        values = _replay(sharded.graph_module, args, kwargs) if record else None
+        o = sharded(*args, **kwargs)
+        l_ = _loss(o, loss_fn)
+        l_.backward()
+        grads = {n: p.grad for n, p in sharded.named_parameters(remove_duplicate=False)}
+        return _detach(o), l_.detach(), grads, sharded.layouts, values, sharded.annotation
+
+    results = SimulatedRanks(tp).run(rank, False)
+    outs = [_diff(f"output[{i}]", a, b) for i, (a, b) in enumerate(zip(
+        _tensors(results[0][0]), _tensors(out)))]
+    loss_diff = _diff("loss", results[0][1], loss.detach())
+    grads = []
+    for name, g in ref_grads.items():
+        lay = results[0][3].get(name)
+        parts = [r[2].get(name) for r in results]
+        if any(p is None for p in parts):
+            grads.append(Difference(name=name, max_abs=float("inf"), max_rel=float("inf")))
+            continue
+        full = lay.unshard(parts, g.shape[lay.dim]) if isinstance(lay, Shard) else parts[0]
+        grads.append(_diff(f"grad {name}", full, g))
+    ok = all(_close(d, atol, rtol) for d in [*outs, loss_diff, *grads])
+    report = VerifyReport(model=type(model).__name__, tp=tp, ok=ok, atol=atol, rtol=rtol,
+                          outputs=outs, loss=loss_diff, grads=grads)
+    if not ok:
+        ref_values = _replay(copy.deepcopy(captured.gm), args, kwargs)
+        recorded = SimulatedRanks(tp).run(rank, True)
+        report.first_divergent_node = _first_divergence(ref_values, recorded, atol, rtol)
+    return report
+
+
+def _loss(out, loss_fn):
+    if loss_fn is not None:
+        return loss_fn(out)
+    leaves = _tensors(out)
+    scalars = [t for t in leaves if t.dim() == 0 and t.is_floating_point()]
+    if scalars:
+        return scalars[0]
+    return sum(t.float().square().mean() for t in leaves if t.is_floating_point())
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    return [x for x in pytree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
+
+
+def _detach(tree):
+    return pytree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, tree)
+
+
+def _diff(name, a: torch.Tensor, b: torch.Tensor) -> Difference:
+    if a.shape != b.shape:
+        return Difference(name=f"{name} (shape {tuple(a.shape)} vs {tuple(b.shape)})",
+                          max_abs=float("inf"), max_rel=float("inf"))
+    d = (a.double() - b.double()).abs()
+    scale = b.double().abs().max().clamp_min(1e-12)
+    m = d.max().item() if d.numel() else 0.0
+    return Difference(name=name, max_abs=m, max_rel=m / scale.item())
+
+
+def _close(d: Difference, atol, rtol) -> bool:
+    return d.max_abs <= atol or d.max_rel <= rtol
+
+
+class _Recorder(fx.Interpreter):
+    def __init__(self, gm):
+        super().__init__(gm)
+        self.values: dict[str, object] = {}
+
+    def run_node(self, n):
+        v = super().run_node(n)
+        self.values[n.name] = _detach(v)
+        return v
+
+
+def _replay(gm: fx.GraphModule, args, kwargs) -> dict:
+    flat = fx_pytree.tree_flatten_spec((args, kwargs), gm._in_spec)
+    rec = _Recorder(gm)
+    with torch.no_grad():
+        rec.run(*flat)
+    return rec.values
+
+
+def _first_divergence(ref: dict, ranks: list, atol, rtol) -> str | None:
+    ann = ranks[0][5]
+    per_rank = [r[4] for r in ranks]
+    for node, out in ann.outcomes.items():
+        name = node.name
+        if name not in ref or any(name not in v for v in per_rank):
+            continue
+        want = ref[name]
+        if not isinstance(want, torch.Tensor):
+            continue
+        parts = [v[name] for v in per_rank]
+        lay = out.out
+        if isinstance(lay, Partial):
+            got = sum(parts[1:], parts[0])
+        elif isinstance(lay, Shard):
+            got = lay.unshard(parts, want.shape[lay.dim])
+        else:
+            got = parts[0]
+        if not _close(_diff(name, got, want), atol, rtol):
+            return f"{name} ({node.meta.get('stack_trace', '').strip().splitlines()[-1:] or ''})"
+    return None
