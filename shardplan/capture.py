@@ -25,7 +25,9 @@ from torch.export import Dim
 from .errors import CaptureError
 
 GUARDS = "_guards_fn"
-_EXPORT_LOCK = threading.Lock()  # torch.export keeps global state: one at a time
+# torch.export and the fake tensors it leaves in node.meta keep state that is not
+# thread-safe: capturing and planning hold this lock (simulated ranks are threads).
+PLANNING_LOCK = threading.RLock()
 
 
 @dataclass
@@ -46,7 +48,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     stamps block 1's decisions onto the rest.
     """
     kwargs = dict(kwargs or {})
-    with _EXPORT_LOCK, _truncated(model) if truncate else contextlib.nullcontext({}) as cut:
+    with PLANNING_LOCK, _truncated(model) if truncate else contextlib.nullcontext({}) as cut:
         try:
             gm = _export(model, args, kwargs)
         except CaptureError:

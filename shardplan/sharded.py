@@ -13,7 +13,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from .capture import Captured, capture
+from .capture import PLANNING_LOCK, Captured, capture
 from .engine import Annotation, annotate
 from .layouts import Replicate
 from .plan import build_plan
@@ -36,23 +36,26 @@ class ShardedModule(nn.Module):
         self._gather, self._strict = gather_output, strict
         self._graphs: dict = {}
         args, kwargs = example
-        ann, captured = self._annotate(args, kwargs, source.training, captured)
-        #: what was decided (``Plan``), for the example inputs
-        self.plan = build_plan(source, captured, ann, rules, args, kwargs)
-        self._layouts = dict(ann.params)
-        self._aliases = captured.aliases
-        self._tensors = local_tensors(source, self._layouts, self._aliases, group.rank, group.size)
+        with PLANNING_LOCK:
+            ann, captured = self._annotate(args, kwargs, source.training, captured)
+            #: what was decided (``Plan``), for the example inputs
+            self.plan = build_plan(source, captured, ann, rules, args, kwargs)
+            self._layouts = dict(ann.params)
+            self._aliases = captured.aliases
+            self._tensors = local_tensors(source, self._layouts, self._aliases,
+                                          group.rank, group.size)
+            gm = self._finish(ann, captured, args, kwargs)
         canon = {captured.aliases.get(k, k): v for k, v in self._layouts.items()}
         #: every parameter/buffer FQN (each alias of a tied weight) -> its layout
         self.layouts = {fqn: canon.get(c, Replicate()) for fqn, c in self._aliases.items()}
-        gm = self._finish(ann, captured, args, kwargs)
         for name, child in gm.named_children():
             if not name.startswith("tp_") and not name.startswith("_"):
                 self.add_module(name, child)
         for name, t in gm._parameters.items():
             self.register_parameter(name, t)
         self.annotation = ann
-        self._graphs[_key(args, kwargs, source.training)] = gm
+        self._last = _key(args, kwargs, source.training)
+        self._graphs[self._last] = gm
 
     @property
     def group(self) -> Group:
@@ -61,25 +64,26 @@ class ShardedModule(nn.Module):
     @property
     def graph_module(self) -> fx.GraphModule:
         """The rewritten graph of the most recent way of calling (first: the example's)."""
-        return self._last
+        return self._graphs[self._last]
 
     @property
     def code(self) -> str:
-        return self._last.code
+        return self.graph_module.code
 
     def forward(self, *args, **kwargs):
         key = _key(args, kwargs, self.training)
         gm = self._graphs.get(key)
         if gm is None:
-            ann, captured = self._annotate(args, kwargs, self.training)
-            changed = {k for k in set(ann.params) | set(self._layouts)
-                       if str(ann.params.get(k, "R")) != str(self._layouts.get(k, "R"))}
-            if changed:
-                raise ConfigurationError(
-                    f"calling the model this way changes the layout of {sorted(changed)[:3]}",
-                    fix="call the sharded model the way it was parallelized (example_inputs)")
-            gm = self._graphs[key] = self._finish(ann, captured, args, kwargs)
-        self._last = gm
+            with PLANNING_LOCK:
+                ann, captured = self._annotate(args, kwargs, self.training)
+                changed = {k for k in set(ann.params) | set(self._layouts)
+                           if ann.params.get(k, Replicate()) != self._layouts.get(k, Replicate())}
+                if changed:
+                    raise ConfigurationError(
+                        f"calling the model this way changes the layout of {sorted(changed)[:3]}",
+                        fix="call the sharded model the way it was parallelized (example_inputs)")
+                gm = self._graphs[key] = self._finish(ann, captured, args, kwargs)
+        self._last = key
         return gm(*args, **kwargs)
 
     def _annotate(self, args, kwargs, training: bool, captured: Captured | None = None):
@@ -98,7 +102,6 @@ class ShardedModule(nn.Module):
         target = _input_device(args, kwargs) or _device_of(self._source[0])
         gm = rewrite(ann, self._group, gather_output=self._gather, device=target)
         bind(gm, self._tensors)
-        self._last = gm
         return gm
 
 

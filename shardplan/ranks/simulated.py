@@ -30,6 +30,7 @@ class SimulatedRanks(Ranks):
                 ctx = RankContext(rank, n, ThreadGroup(rank, rv))
                 results[rank] = fn(ctx, *args)
             except BaseException as e:  # reported below, in the caller's thread
+                e.add_note(f"[simulated rank {rank}]")
                 errors[rank] = e
                 rv.abort()
 

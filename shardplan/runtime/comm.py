@@ -65,6 +65,9 @@ class Group:
         if self.size > 1:
             self._barrier()
 
+    def __deepcopy__(self, memo):
+        return self  # a group is a handle on ranks, never copied with a module
+
     def _log(self, kind, elements, elsize, direction, site, op="sum"):
         if ledger.recording():
             ledger.record(ledger.CommRecord(

@@ -1,0 +1,291 @@
+"""N ranks as N gloo worker processes that stay alive between runs.
+
+    with RealRanks(2) as ranks:
+        ranks.run(fn, x)      # fn(ctx, x) on every rank; fn a top-level function
+
+Workers are spawned lazily by the first ``run()`` (or by ``start()``), each
+joins one gloo process group over a ``TCPStore`` held by this process on
+127.0.0.1 (collective timeout = ``timeout``; one torch thread per worker),
+and then serves tasks. Spawning costs about 1 s for 1-2 ranks (``spawn_seconds``
+holds the last). Tasks and results travel as plain pickles
+through one pipe per worker, so every rank gets its own copy of the
+arguments (nothing is shared memory) and returned tensors are detached,
+compacted CPU copies.
+
+Failures: an exception on a rank is re-raised here with its type (when it
+pickles) and the rank's traceback appended. If a rank does not answer within
+``timeout`` (plus a short grace, so gloo's own timeout can report first), dies,
+or reports a ``CommunicationError``, or a rank fails while its peers stay
+stuck, the pool is killed and ``run()`` raises; the next ``run()`` spawns a
+fresh pool. After ``close()``, ``run()`` raises ``ConfigurationError``.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import wait
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.utils._pytree import tree_map
+
+from ..errors import CommunicationError, ConfigurationError
+from ..runtime.comm import TorchGroup
+from .base import RankContext, Ranks
+
+_HOST = "127.0.0.1"
+
+
+class RealRanks(Ranks):
+    """A pool of ``world_size`` gloo worker processes (see the module docstring)."""
+
+    def __init__(self, world_size: int, timeout: float = 120.0):
+        if world_size < 1:
+            raise ConfigurationError(f"world_size must be >= 1, got {world_size}")
+        self.world_size, self.timeout = world_size, float(timeout)
+        self.spawn_seconds: float | None = None  # wall time of the last start()
+        self._procs: list = []
+        self._conns: list = []
+        self._store = None
+        self._closed = False
+        self._lock = threading.Lock()
+
+    # -- pool life cycle -------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs)
+
+    def start(self) -> None:
+        """Spawn the workers and wait until all joined the process group."""
+        if self._closed:
+            raise ConfigurationError("RealRanks.run() after close()",
+                                     fix="create a new RealRanks")
+        if self._procs:
+            return
+        t0 = time.monotonic()
+        ctx = mp.get_context("spawn")
+        self._store = dist.TCPStore(_HOST, 0, is_master=True, wait_for_workers=False,
+                                    timeout=timedelta(seconds=self.timeout))
+        for rank in range(self.world_size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_worker, name=f"shardplan-rank{rank}", daemon=True,
+                            args=(rank, self.world_size, self._store.port, self.timeout, child))
+            p.start()
+            child.close()
+            self._procs.append(p)
+            self._conns.append(parent)
+        replies, errors = self._collect(self.timeout, "start-up")
+        if errors or len(replies) < self.world_size:
+            self._kill()
+            _raise(errors)
+        self.spawn_seconds = time.monotonic() - t0
+
+    def close(self) -> None:
+        """Barrier + destroy_process_group in every worker, then join them."""
+        self._closed = True
+        if not self._procs:
+            return
+        try:
+            for c in self._conns:
+                c.send_bytes(pickle.dumps(None))
+            self._collect(min(self.timeout, 30.0), "close")
+        except (OSError, CommunicationError):
+            pass
+        for p in self._procs:
+            p.join(5.0)
+        self._kill()
+
+    def _kill(self) -> None:
+        """Terminate, then kill, every worker; forget the pool."""
+        for p in self._procs:
+            if p.is_alive():
+                p.terminate()
+        for p in self._procs:
+            p.join(2.0)
+            if p.is_alive():
+                p.kill()
+                p.join(2.0)
+        for c in self._conns:
+            c.close()
+        self._procs, self._conns, self._store = [], [], None
+
+    # -- running tasks ---------------------------------------------------
+    def run(self, fn, *args):
+        with self._lock:
+            self.start()
+            try:
+                task = pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as e:
+                raise ConfigurationError(
+                    f"RealRanks cannot send {getattr(fn, '__qualname__', fn)!r} and its "
+                    f"arguments to the workers: {e}",
+                    fix="fn must be a top-level function and its arguments picklable") from e
+            try:
+                for c in self._conns:
+                    c.send_bytes(task)
+            except OSError as e:
+                self._kill()
+                raise CommunicationError(f"a RealRanks worker is gone: {e}") from e
+            try:
+                replies, errors = self._collect(self.timeout + _grace(self.timeout), "task")
+            except BaseException:  # interrupted (Ctrl-C, test timeout): results would go stale
+                self._kill()
+                raise
+            if any(isinstance(e, CommunicationError) for e in errors.values()):
+                self._kill()  # peers may be stuck or out of step: respawn next run
+            _raise(errors)
+            return [replies[r] for r in range(self.world_size)]
+
+    def _collect(self, timeout: float, what: str):
+        """One reply per rank: (results by rank, errors by rank).
+
+        Fails fast when a worker dies; once a rank has failed, waits only a
+        short grace for the others. Missing ranks are reported as errors.
+        """
+        start = time.monotonic()
+        deadline = start + timeout
+        replies: dict = {}
+        errors: dict = {}
+        pending = dict(enumerate(self._conns))
+        while pending:
+            now = time.monotonic()
+            if errors:
+                deadline = min(deadline, now + _grace(self.timeout))
+            ready = wait(list(pending.values()) +
+                         [self._procs[r].sentinel for r in pending], max(0.0, deadline - now))
+            for r, c in list(pending.items()):
+                if c in ready:
+                    try:
+                        ok, payload = pickle.loads(c.recv_bytes())
+                    except (EOFError, OSError):
+                        ok, payload = False, self._died(r, what)
+                    except Exception as e:  # a result that does not unpickle here
+                        ok, payload = False, e
+                    del pending[r]
+                    if ok:
+                        replies[r] = payload
+                    else:
+                        errors[r] = payload if isinstance(payload, BaseException) \
+                            else _rebuild(r, *payload)
+            for r in [r for r in pending if not self._procs[r].is_alive()
+                      and not pending[r].poll()]:
+                del pending[r]
+                errors[r] = self._died(r, what)
+            if pending and time.monotonic() >= deadline:
+                late = sorted(pending)
+                after = f" (ranks {sorted(errors)} had failed)" if errors else ""
+                errors.update({r: CommunicationError(
+                    f"RealRanks ranks {late} did not answer {what} within "
+                    f"{time.monotonic() - start:.1f}s{after}",
+                    fix="a rank is stuck (in a collective its peers skipped, or in fn); "
+                        "the pool was killed. Raise timeout for slow work") for r in late})
+                break
+        return replies, errors
+
+    def _died(self, rank: int, what: str) -> CommunicationError:
+        p = self._procs[rank]
+        p.join(1.0)
+        e = CommunicationError(
+            f"RealRanks rank {rank} died during {what} (exit code {p.exitcode})",
+            fix="see the worker's output above; it crashed or was killed")
+        e.root_cause = True  # its peers' broken collectives are consequences
+        return e
+
+
+def _grace(timeout: float) -> float:
+    return min(2.0, max(0.5, 0.1 * timeout))
+
+
+def _raise(errors: dict) -> None:
+    """Raise the root cause: a rank's own error, else a death, else the first error."""
+    if errors:
+        ranks = sorted(errors, key=lambda r: (isinstance(errors[r], CommunicationError)
+                                              and not getattr(errors[r], "root_cause", False), r))
+        raise errors[ranks[0]]
+
+
+def _rebuild(rank: int, exc_bytes, type_name: str, message: str, tb: str) -> BaseException:
+    """The worker's exception with ``[rank r] traceback`` appended to its message."""
+    tail = f"\n\n[rank {rank}] traceback:\n{tb.rstrip()}"
+    exc = None
+    if exc_bytes is not None:
+        try:
+            exc = pickle.loads(exc_bytes)
+        except Exception:
+            exc = None
+    if exc is None:
+        return RuntimeError(f"{type_name}: {message}{tail}")
+    if (len(exc.args) == 1 and isinstance(exc.args[0], str) and not isinstance(exc, KeyError)
+            and type(exc).__str__ is BaseException.__str__):
+        exc.args = (exc.args[0] + tail,)
+    else:
+        exc.add_note(tail.lstrip("\n"))
+    return exc
+
+
+def _portable(x):
+    """Results cross as detached, compact CPU tensors."""
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu()
+        if x.untyped_storage().nbytes() != x.numel() * x.element_size() or x.storage_offset():
+            x = x.clone()
+    return x
+
+
+def _send(conn, ok: bool, payload) -> None:
+    conn.send_bytes(pickle.dumps((ok, payload), protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _send_error(conn, e: BaseException) -> None:
+    tb = "".join(traceback.format_exception(e))
+    try:
+        exc_bytes = pickle.dumps(e, protocol=pickle.HIGHEST_PROTOCOL)
+        pickle.loads(exc_bytes)
+    except Exception:
+        exc_bytes = None
+    _send(conn, False, (exc_bytes, type(e).__qualname__, str(e), tb))
+
+
+def _worker(rank: int, n: int, port: int, timeout: float, conn) -> None:
+    """Body of one worker process: join the group, then serve tasks until told to stop."""
+    if sys.platform.startswith("linux"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    td = timedelta(seconds=timeout)
+    try:
+        store = dist.TCPStore(_HOST, port, is_master=False, timeout=td)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=n, timeout=td)
+        ctx = RankContext(rank, n, TorchGroup())
+        _send(conn, True, None)
+    except BaseException as e:
+        _send_error(conn, e)
+        return
+    while True:
+        try:
+            msg = conn.recv_bytes()
+        except (EOFError, OSError):  # the parent is gone
+            return
+        try:
+            task = pickle.loads(msg)
+            if task is None:
+                break
+            fn, args = task
+            _send(conn, True, tree_map(_portable, fn(ctx, *args)))
+        except BaseException as e:
+            try:
+                _send_error(conn, e)
+            except (EOFError, OSError):
+                return
+    try:  # close(): barrier first; teardown without one can SIGABRT
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception:
+        pass  # a broken group: the process exits anyway
+    _send(conn, True, None)

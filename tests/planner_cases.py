@@ -1,0 +1,75 @@
+"""Model builders and per-rank functions shared by the planner tests (picklable for RealRanks)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import shardplan
+from shardplan.models import GPT, GPTConfig, Llama, LlamaConfig
+from shardplan.ruleset import load_rules
+from shardplan.runtime.ledger import CommLedger
+from shardplan.sharded import ShardedModule
+
+
+def make_model(family: str, seed: int = 0, **cfg):
+    torch.manual_seed(seed)
+    if family == "gpt":
+        base = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
+        return GPT(GPTConfig(**{**base, **cfg}))
+    base = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48,
+                max_seq_len=16)
+    return Llama(LlamaConfig(**{**base, **cfg}))
+
+
+def batch(vocab: int, b: int, t: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (b, t), generator=g), torch.randint(0, vocab, (b, t), generator=g)
+
+
+def reference(model, idx, tgt):
+    """Unsharded logits, loss and gradients, by FQN (every alias of a tied weight)."""
+    ref = copy.deepcopy(model)
+    logits, loss = ref(idx, tgt)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in ref.named_parameters(remove_duplicate=False)}
+    return logits.detach(), loss.detach(), grads
+
+
+def sharded_step(ctx, model, idx, tgt, gather_output=True, captured=None):
+    """One forward/backward of the parallelized model on this rank.
+
+    ``captured`` (a capture made once for all ranks) skips the per-rank export.
+    """
+    if captured is None:
+        sharded = shardplan.parallelize(copy.deepcopy(model), group=ctx.group,
+                                        example_inputs=(idx, tgt), gather_output=gather_output)
+    else:
+        sharded = ShardedModule(copy.deepcopy(model), ctx.group, load_rules(),
+                                example=((idx, tgt), {}), gather_output=gather_output,
+                                strict=False, captured=copy.deepcopy(captured))
+    with CommLedger() as ledger:
+        logits, loss = sharded(idx, tgt)
+        loss.backward()
+    grads = {n: p.grad.clone() for n, p in sharded.named_parameters(remove_duplicate=False)}
+    return logits.detach(), loss.detach(), grads, sharded.layouts, ledger.records
+
+
+def gather_grads(results, ref_grads):
+    """Each parameter's full gradient from every rank's shard (or rank 0's replica)."""
+    layouts = results[0][3]
+    out = {}
+    for name, g in ref_grads.items():
+        lay = layouts[name]
+        parts = [r[2][name] for r in results]
+        out[name] = lay.unshard(parts, g.shape[lay.dim]) if isinstance(lay, shardplan.Shard) \
+            else parts[0]
+    return out
+
+
+def real_rank_step(ctx, family, cfg, b, t):
+    """A whole case on one real rank: model and data from fixed seeds."""
+    model = make_model(family, **cfg)
+    idx, tgt = batch(model.config.vocab_size, b, t)
+    return sharded_step(ctx, model, idx, tgt)

@@ -1,0 +1,285 @@
+"""Both rank runners behind one interface: collectives, ledger, failures, autograd.
+
+Functions run on the ranks are top-level so ``RealRanks`` can pickle them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from shardplan.errors import CommunicationError
+from shardplan.ranks import RealRanks, SimulatedRanks
+from shardplan.runtime.ledger import CommLedger
+
+pytestmark = pytest.mark.timeout(120)
+
+KINDS = ["simulated", pytest.param("real", marks=pytest.mark.real)]
+
+
+@pytest.fixture(params=KINDS)
+def kind(request):
+    return request.param
+
+
+@pytest.fixture(params=[1, 2, 4], ids=lambda n: f"n{n}")
+def ranks(request, kind, real_ranks, sim_ranks):
+    return (real_ranks if kind == "real" else sim_ranks)(request.param)
+
+
+def _runner(kind, n, timeout):
+    return RealRanks(n, timeout=timeout) if kind == "real" else SimulatedRanks(n, timeout=timeout)
+
+
+def _message(e: BaseException) -> str:
+    return "\n".join([str(e), *getattr(e, "__notes__", [])])
+
+
+# -- functions run on every rank ----------------------------------------------
+
+def _base(rank):
+    return torch.arange(6.0).reshape(2, 3) + 10 * rank
+
+
+def _all_reduce(ctx, op):
+    return ctx.group.all_reduce(_base(ctx.rank), op)
+
+
+def _all_gather(ctx, dim):
+    return ctx.group.all_gather(_base(ctx.rank), dim)
+
+
+def _reduce_scatter(ctx):
+    n = ctx.world_size
+    return ctx.group.reduce_scatter(torch.arange(2.0 * n * 3).reshape(2 * n, 3) + ctx.rank, 0)
+
+
+def _broadcast(ctx):
+    return ctx.group.broadcast(torch.full((3,), float(ctx.rank)), src=ctx.world_size - 1)
+
+
+def _ledger(ctx):
+    g = ctx.group
+    with CommLedger() as led:
+        g.all_reduce(torch.ones(4, 3), direction="forward")
+        g.all_reduce(torch.ones(5, dtype=torch.float64), "max", direction="backward")
+        g.all_gather(torch.ones(2, 3), -1, direction="forward")
+        g.reduce_scatter(torch.ones(ctx.world_size * 2, 3), 0, direction="backward")
+        g.broadcast(torch.ones(7, dtype=torch.int32))
+    return led.records
+
+
+def _identity(ctx):
+    return ctx.rank, ctx.world_size, ctx.group.rank, ctx.group.size
+
+
+def _raise_on_rank1(ctx):
+    if ctx.rank == 1:
+        raise ValueError("bad input on this rank")
+    return ctx.rank
+
+
+def _raise_on_rank1_peers_in_collective(ctx):
+    if ctx.rank == 1:
+        raise KeyError("missing")
+    return ctx.group.all_reduce(torch.ones(2))
+
+
+def _skip_collective_on_rank1(ctx):
+    if ctx.rank == 1:
+        return None
+    return ctx.group.all_reduce(torch.ones(2))
+
+
+def _exit_on_rank1(ctx):
+    if ctx.rank == 1:
+        os._exit(3)
+    return ctx.group.all_reduce(torch.ones(2))
+
+
+def _sleep_on_rank1(ctx, seconds):
+    if ctx.rank == 1:
+        time.sleep(seconds)
+    return ctx.rank
+
+
+class _SumGrads(torch.autograd.Function):
+    """Identity forward; all-reduce of the gradient in backward (Megatron's f)."""
+
+    @staticmethod
+    def forward(fctx, x, group):
+        fctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(fctx, g):
+        return fctx.group.all_reduce(g, direction="backward"), None
+
+
+def _backward(ctx):
+    x = torch.ones(3, requires_grad=True)
+    with CommLedger() as led:
+        y = _SumGrads.apply(x, ctx.group)
+        (y * (ctx.rank + 1)).sum().backward()
+    return x.grad, [(r.kind, r.direction) for r in led.records]
+
+
+# -- collectives ----------------------------------------------------------------
+
+def test_context(ranks):
+    n = ranks.world_size
+    assert ranks.run(_identity) == [(r, n, r, n) for r in range(n)]
+
+
+@pytest.mark.parametrize("op", ["sum", "max"])
+def test_all_reduce(ranks, op):
+    n = ranks.world_size
+    base = torch.arange(6.0).reshape(2, 3)
+    want = n * base + 10 * n * (n - 1) / 2 if op == "sum" else base + 10 * (n - 1)
+    for got in ranks.run(_all_reduce, op):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("dim", [0, -1])
+def test_all_gather(ranks, dim):
+    n = ranks.world_size
+    want = torch.cat([torch.arange(6.0).reshape(2, 3) + 10 * r for r in range(n)], dim)
+    assert want.shape == ((2 * n, 3) if dim == 0 else (2, 3 * n))
+    for got in ranks.run(_all_gather, dim):
+        torch.testing.assert_close(got, want)
+
+
+def test_reduce_scatter(ranks):
+    n = ranks.world_size
+    total = n * torch.arange(2.0 * n * 3).reshape(2 * n, 3) + n * (n - 1) / 2
+    for r, got in enumerate(ranks.run(_reduce_scatter)):
+        torch.testing.assert_close(got, total[2 * r:2 * r + 2])
+
+
+def test_broadcast(ranks):
+    n = ranks.world_size
+    for got in ranks.run(_broadcast):
+        torch.testing.assert_close(got, torch.full((3,), float(n - 1)))
+
+
+def test_ledger(ranks):
+    n = ranks.world_size
+    want = [("all_reduce", 12, 48, "forward", "sum"),
+            ("all_reduce", 5, 40, "backward", "max"),
+            ("all_gather", 6 * n, 24 * n, "forward", "sum"),
+            ("reduce_scatter", 6 * n, 24 * n, "backward", "sum"),
+            ("broadcast", 7, 28, "none", "sum")]
+    for records in ranks.run(_ledger):
+        assert [(r.kind, r.elements, r.bytes, r.direction, r.op) for r in records] == want
+        assert all(r.group_size == n for r in records)
+        assert all("test_ranks.py" in r.site for r in records), records
+
+
+@pytest.mark.parametrize("n", [1, 2, 4], ids=lambda n: f"n{n}")
+def test_backward_through_collective(kind, n, real_ranks, sim_ranks):
+    ranks = (real_ranks if kind == "real" else sim_ranks)(n)
+    for grad, log in ranks.run(_backward):
+        torch.testing.assert_close(grad, torch.full((3,), n * (n + 1) / 2))
+        assert log == [("all_reduce", "backward")]
+
+
+# -- failures ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", [
+    "simulated",
+    pytest.param("real", marks=pytest.mark.real)])
+def test_error_names_rank(kind, real_ranks, sim_ranks):
+    ranks = (real_ranks if kind == "real" else sim_ranks)(2)
+    with pytest.raises(ValueError, match="bad input on this rank") as info:
+        ranks.run(_raise_on_rank1)
+    assert "rank 1" in _message(info.value)
+
+
+def test_error_surfaces(kind, real_ranks, sim_ranks):
+    ranks = (real_ranks if kind == "real" else sim_ranks)(2)
+    with pytest.raises(ValueError, match="bad input on this rank"):
+        ranks.run(_raise_on_rank1)
+    assert ranks.run(_identity)[1] == (1, 2, 1, 2)  # still usable
+
+
+def test_error_while_peers_wait_in_collective(kind):
+    """The root cause wins over the peers' broken collectives, and fast."""
+    with _runner(kind, 2, timeout=60) as ranks:
+        if kind == "real":
+            ranks.start()
+        t0 = time.monotonic()
+        with pytest.raises(KeyError, match="missing") as info:
+            ranks.run(_raise_on_rank1_peers_in_collective)
+        assert time.monotonic() - t0 < 15
+        if kind == "real":
+            assert "[rank 1] traceback" in _message(info.value)
+            assert ranks.run(_identity)[0] == (0, 2, 0, 2)  # respawned
+
+
+@pytest.mark.timeout(60)
+def test_rank_skips_collective(kind):
+    """Rank 1 returns while rank 0 all-reduces: CommunicationError within the timeout."""
+    timeout = 5.0
+    with _runner(kind, 2, timeout=timeout) as ranks:
+        if kind == "real":
+            ranks.start()
+        t0 = time.monotonic()
+        with pytest.raises(CommunicationError):
+            ranks.run(_skip_collective_on_rank1)
+        elapsed = time.monotonic() - t0
+        assert timeout * 0.5 <= elapsed <= timeout + 5, elapsed
+
+
+@pytest.mark.real
+@pytest.mark.timeout(60)
+def test_real_dead_worker_fails_fast():
+    with RealRanks(2, timeout=60) as ranks:
+        ranks.start()
+        t0 = time.monotonic()
+        with pytest.raises(CommunicationError, match=r"rank 1 died .*exit code 3"):
+            ranks.run(_exit_on_rank1)
+        assert time.monotonic() - t0 < 10
+        assert not ranks.alive
+        assert ranks.run(_identity) == [(0, 2, 0, 2), (1, 2, 1, 2)]
+
+
+@pytest.mark.real
+@pytest.mark.timeout(60)
+def test_real_stuck_rank_is_named_and_pool_killed():
+    with RealRanks(2, timeout=3) as ranks:
+        ranks.start()
+        procs = list(ranks._procs)
+        t0 = time.monotonic()
+        with pytest.raises(CommunicationError, match=r"ranks \[1\] did not answer"):
+            ranks.run(_sleep_on_rank1, 60)
+        assert time.monotonic() - t0 < 3 + 5
+        assert not ranks.alive and not any(p.is_alive() for p in procs)
+
+
+@pytest.mark.real
+@pytest.mark.timeout(60)
+def test_real_closed_pool_refuses():
+    ranks = RealRanks(1)
+    assert ranks.run(_identity) == [(0, 1, 0, 1)]
+    procs = list(ranks._procs)
+    ranks.close()
+    assert not any(p.is_alive() for p in procs)
+    assert all(p.exitcode == 0 for p in procs)
+    with pytest.raises(Exception, match="after close"):
+        ranks.run(_identity)
+
+
+@pytest.mark.real
+def test_real_unpicklable_fn(real_ranks):
+    with pytest.raises(Exception, match="top-level function"):
+        real_ranks(2).run(lambda ctx: ctx.rank)
+
+
+@pytest.mark.real
+def test_real_results_are_independent_copies(real_ranks):
+    a, b = real_ranks(2).run(_broadcast)
+    a.add_(1)
+    torch.testing.assert_close(b, torch.full((3,), 1.0))
