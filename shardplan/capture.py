@@ -158,19 +158,25 @@ def _user_line(e: BaseException) -> str | None:
 
 
 def source_of(node: fx.Node) -> str | None:
-    """The user's source line that produced ``node``, as ``file:line: code``."""
+    """The user's source line that produced ``node``, as ``file:line: code``.
+
+    The innermost frame of the node's stack trace outside torch itself.
+    """
     trace = node.meta.get("stack_trace")
     if not trace:
         return None
     lines = trace.strip().splitlines()
     for i in range(len(lines) - 1, -1, -1):
         line = lines[i].strip()
-        if line.startswith("File "):
-            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
-            parts = line.split(", ")
-            path = parts[0][len('File "'):-1]
-            lineno = parts[1].replace("line ", "") if len(parts) > 1 else "?"
-            return f"{path}:{lineno}: {code}"
+        if not line.startswith("File "):
+            continue
+        parts = line.split(", ")
+        path = parts[0][len('File "'):-1]
+        if "/torch/" in path.replace("\\", "/"):
+            continue
+        lineno = parts[1].replace("line ", "") if len(parts) > 1 else "?"
+        code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+        return f"{path}:{lineno}: {code}"
     return None
 
 

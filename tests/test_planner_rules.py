@@ -1,0 +1,158 @@
+"""Planner rules beyond the bundled models, fallbacks, verify's own failure, and errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardplan
+from shardplan.capture import capture
+from shardplan.models import build
+from shardplan.ranks import SimulatedRanks
+
+from planner_cases import gather_grads, reference, sharded_step
+from planner_models import DataDependent, NoTokens, TinyLM
+
+RULES = Path(__file__).resolve().parent.parent / "rules" / "megatron.toml"
+
+
+def _check(model, tp, b=2, t=6):
+    idx = torch.randint(0, 64, (b, t), generator=torch.Generator().manual_seed(3))
+    results = SimulatedRanks(tp).run(sharded_step, model, idx, idx, True, capture(model, (idx, idx)))
+    logits, loss, grads = reference(model, idx, idx)
+    torch.testing.assert_close(results[0][0], logits, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(results[0][1], loss, atol=2e-5, rtol=1e-4)
+    got = gather_grads(results, grads)
+    for name, g in grads.items():
+        torch.testing.assert_close(got[name], g, atol=2e-5, rtol=1e-4, msg=name)
+    return results
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_fused_gqa_qkv_is_split_by_blocks(tp):
+    """A fused [q | k | v] with fewer K/V heads: each rank holds [q_r | k_r | v_r]."""
+    torch.manual_seed(0)
+    model = TinyLM(heads=8, kv_heads=4)
+    results = _check(model, tp)
+    q, kv = 8 * 4, 4 * 4
+    assert results[0][3]["blocks.0.wqkv.weight"] == shardplan.Shard(0, (q, kv, kv))
+    assert not shardplan.plan(model, tp, example_inputs=torch.zeros(1, 4, dtype=torch.long)).warnings
+
+
+def test_per_head_norm_weight_gets_its_gradient_all_reduced():
+    """A replicated weight applied after the head split sees only this rank's heads."""
+    torch.manual_seed(0)
+    model = TinyLM(qk_norm=True)
+    results = _check(model, 2)
+    assert isinstance(results[0][3]["blocks.0.q_norm.weight"], shardplan.Replicate)
+    bwd = [r for r in results[0][4] if r.direction == "backward" and r.elements == model.blocks[0].hd]
+    assert len(bwd) == 2  # one gradient all-reduce per layer's q_norm weight
+
+
+def test_per_head_constants_are_sliced_to_this_ranks_heads():
+    torch.manual_seed(0)
+    _check(TinyLM(heads=8, kv_heads=4, alibi=True), 4)
+
+
+@pytest.mark.parametrize("op", ["cumsum", "softmax"])
+def test_unplaceable_op_keeps_region_replicated_with_a_warning(op):
+    torch.manual_seed(0)
+    model = TinyLM(mlp_op=op)
+    results = _check(model, 2)
+    assert isinstance(results[0][3]["blocks.0.fc.weight"], shardplan.Replicate)
+    assert isinstance(results[0][3]["blocks.0.wqkv.weight"], shardplan.Shard)  # attention unaffected
+    idx = torch.zeros(2, 4, dtype=torch.long)
+    warnings = shardplan.plan(model, 2, example_inputs=idx).warnings
+    assert any("blocks.0.fc" in w and op in w for w in warnings)
+    with pytest.raises(shardplan.LayoutError, match=op):
+        shardplan.plan(model, 2, example_inputs=idx, strict=True)
+
+
+def test_verify_catches_a_wrong_rule_and_names_the_node(tmp_path):
+    """A rule set that wrongly calls softmax elementwise gives a silently wrong model;
+    verify must say so and point at the softmax."""
+    text = RULES.read_text()
+    text = text.replace('"aten.softmax.int" = { dim = "1" }\n', "")
+    text = text.replace('elementwise = [\n', 'elementwise = [\n  "aten.softmax.int",\n')
+    bad = tmp_path / "bad.toml"
+    bad.write_text(text)
+    torch.manual_seed(0)
+    model = TinyLM(mlp_op="softmax")
+    idx = torch.randint(0, 64, (2, 6))
+    good = shardplan.verify(model, 2, example_inputs=(idx, idx))
+    wrong = shardplan.verify(model, 2, example_inputs=(idx, idx), rules=bad)
+    assert good.ok and good.first_divergent_node is None
+    assert not wrong.ok
+    assert wrong.first_divergent_node.startswith("softmax")
+    assert "MISMATCH" in str(wrong)
+
+
+def test_heads_not_divisible_names_module_line_and_fix():
+    model = build("gpt-tiny", n_head=6, n_embd=48)
+    with pytest.raises(shardplan.DivisibilityError) as e:
+        shardplan.plan(model, 4)
+    msg = str(e.value)
+    assert "transformer.h.0.attn" in msg and "gpt.py:" in msg and "tp=4" in msg and "fix:" in msg
+
+
+def test_kv_heads_not_divisible():
+    model = build("llama-tiny")  # 4 heads, 2 kv heads
+    with pytest.raises(shardplan.DivisibilityError, match="layers.0.attention"):
+        shardplan.plan(model, 4)
+
+
+def test_untraceable_forward_names_the_line():
+    with pytest.raises(shardplan.CaptureError) as e:
+        shardplan.plan(DataDependent(), 2)
+    msg = str(e.value)
+    assert "DataDependent" in msg and "planner_models.py:" in msg and "if x.sum() > 0" in msg
+    assert "fix:" in msg
+
+
+def test_no_token_input_needs_example_inputs():
+    with pytest.raises(shardplan.CaptureError, match="example_inputs"):
+        shardplan.plan(NoTokens(), 2)
+    p = shardplan.plan(NoTokens(), 2, example_inputs=torch.randn(3, 8))
+    assert p.param("fc1.weight").layout == "S(0)" and p.param("fc2.weight").layout == "S(1)"
+
+
+def test_parallelize_without_process_group():
+    with pytest.raises(shardplan.ConfigurationError, match="init_process_group"):
+        shardplan.parallelize(build("gpt-tiny"), tp=2)
+
+
+def test_parallelize_twice_and_wrong_tp():
+    idx = torch.zeros(2, 4, dtype=torch.long)
+
+    def body(ctx):
+        s = shardplan.parallelize(build("gpt-tiny"), group=ctx.group, example_inputs=idx)
+        with pytest.raises(shardplan.ConfigurationError, match="already parallelized"):
+            shardplan.parallelize(s, group=ctx.group)
+        with pytest.raises(shardplan.ConfigurationError, match="tp=4"):
+            shardplan.parallelize(build("gpt-tiny"), tp=4, group=ctx.group)
+
+    SimulatedRanks(2).run(body)
+
+
+def test_bad_rule_file(tmp_path):
+    broken = tmp_path / "broken.toml"
+    broken.write_text("name = 'x'\nversion = [\n")
+    with pytest.raises(shardplan.RuleError, match="does not parse"):
+        shardplan.plan(build("gpt-tiny"), 2, rules=broken)
+    invalid = tmp_path / "invalid.toml"
+    invalid.write_text("name = 'x'\nversion = 1\n[strategy]\nopen = [{ op = 'x' }]\n")
+    with pytest.raises(shardplan.RuleError, match="not a valid rule set"):
+        shardplan.plan(build("gpt-tiny"), 2, rules=invalid)
+
+
+def test_plan_json_round_trip_and_schema():
+    p = shardplan.plan(build("gpt-tiny"), 2)
+    again = shardplan.Plan.from_json(p.to_json())
+    assert again == p
+    schema = shardplan.Plan.model_json_schema()
+    assert "schema_version" in schema["properties"]
+    c = p.collectives[0]
+    assert c.source and ".py:" in c.source and c.node and c.module is not None
+    assert {d.role for d in p.decisions} >= {"column", "row", "vocab_embedding"}
