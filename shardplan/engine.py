@@ -37,6 +37,7 @@ class Conflict:
     reason: str
     origins: frozenset = frozenset()
     divisibility: bool = False
+    no_rule: bool = False  # the rules do not know the op (a warning), vs. know it is not local
 
 
 @dataclass
@@ -62,7 +63,7 @@ class Annotation:
     params: dict  # get_attr target -> Layout
     requires_grad: dict  # fx.Node -> bool
     disabled: dict  # opener fx.Node -> reason it stays replicated
-    warnings: list
+    warnings: list  # openers kept replicated because an op had no rule
     rules: RuleSet
 
     def role(self, node: fx.Node) -> str:
@@ -130,16 +131,16 @@ def annotate(gm: fx.GraphModule, tp: int, rules: RuleSet, *, strict: bool = Fals
             if c.divisibility:
                 raise DivisibilityError(c.reason, where=describe(c.node), source=source_of(c.node),
                                         fix=f"choose tp dividing that size (tp={tp} does not)")
-            if strict:
+            if strict and c.no_rule:
                 raise LayoutError(c.reason, where=describe(c.node), source=source_of(c.node),
                                   fix="add a rule for this op, or drop strict=True to keep the "
                                       "region replicated")
             for o in c.origins:
-                disabled.setdefault(o, f"{c.reason} at {describe(c.node)}")
+                disabled.setdefault(o, (f"{c.reason} at {describe(c.node)}", c.no_rule))
     annotation = ann[0]
-    annotation.disabled = disabled
-    annotation.warnings = [
-        f"{describe(n)} kept replicated: {why}" for n, why in disabled.items()]
+    annotation.disabled = {n: why for n, (why, _) in disabled.items()}
+    annotation.warnings = [f"{describe(n)} kept replicated: {why}"
+                           for n, (why, no_rule) in disabled.items() if no_rule]
     return annotation
 
 
@@ -231,7 +232,8 @@ class _Pass:
             return self._vocab_loss(node, lays)
         kind = self.rules.kind(name)
         if kind is None:
-            return _conflict(node, f"no rule for {name} on a sharded input")
+            return Outcome(None, conflict=Conflict(node, f"no rule for {name} on a sharded input",
+                                                   no_rule=True))
         return getattr(self, f"_{kind}")(node, lays)
 
     # ----------------------------------------------------------------- strategy
@@ -305,6 +307,18 @@ class _Pass:
                   for p, a in operands(node) if shape(a) is not None}
         labels["out"] = [f"d{i}" for i in range(out_rank)]
         return _factor_rule(node, lays, labels, partial_ok=False, shardable=None, rule="elementwise")
+
+    def _inspect(self, node, lays) -> Outcome:
+        """Ops that only check their input (metadata asserts): no output to lay out."""
+        return Outcome(None, rule="inspect")
+
+    def _size(self, node, lays) -> Outcome:
+        """A size query: fine unless it asks for the size of the split dim."""
+        lay = lays[(0,)]
+        dim = node.args[1] if len(node.args) > 1 else None
+        if dim is None or dim % len(shape(node.args[0])) == lay.dim:
+            return _conflict(node, f"{op_name(node)} asks for the size of the sharded dim")
+        return Outcome(None, rule="size of another dim")
 
     def _identity(self, node, lays) -> Outcome:
         """One tensor in, same layout out; other operands only lend a dtype (type_as)."""
@@ -633,7 +647,6 @@ def _slice_range(node, name, full):
 def _segments(node: fx.Node, dim: int, rules: RuleSet) -> tuple[int, ...] | None:
     """How a column output is cut downstream (fused QKV): the block sizes, or None."""
     size = hint(shape(node)[dim])
-    rank = len(shape(node))
     bounds: set[int] = set()
     frontier = [(node, dim)]
     seen = set()
@@ -642,6 +655,7 @@ def _segments(node: fx.Node, dim: int, rules: RuleSet) -> tuple[int, ...] | None
         if cur in seen:
             continue
         seen.add(cur)
+        rank = len(shape(cur))
         for user in cur.users:
             name = op_name(user)
             kind = rules.kind(name)
@@ -649,8 +663,7 @@ def _segments(node: fx.Node, dim: int, rules: RuleSet) -> tuple[int, ...] | None
             if kind in ("identity", "elementwise") and ushape is not None and len(ushape) == rank \
                     and hint(ushape[d]) == size:
                 frontier.append((user, d))
-            elif kind == "reshape" and ushape is not None and ushape and hint(ushape[-1]) == size \
-                    and d == rank - 1:
+            elif kind == "reshape" and ushape and hint(ushape[-1]) == size and d == rank - 1:
                 frontier.append((user, len(ushape) - 1))
             elif kind == "split":
                 sdim = user.args[2] if len(user.args) > 2 else 0

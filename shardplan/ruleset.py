@@ -94,6 +94,8 @@ class Ops(_Strict):
     split: list[str] = []
     slice: list[str] = []
     concat: list[str] = []
+    inspect: list[str] = []
+    size: list[str] = []
 
 
 class RuleSet(_Strict):

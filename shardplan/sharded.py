@@ -54,6 +54,7 @@ class ShardedModule(nn.Module):
         for name, t in gm._parameters.items():
             self.register_parameter(name, t)
         self.annotation = ann
+        self.train(source.training)
         self._last = _key(args, kwargs, source.training)
         self._graphs[self._last] = gm
 

@@ -59,15 +59,19 @@ class VerifyReport(BaseModel):
 
 
 def verify(model: nn.Module, tp: int, *, example_inputs=None, loss_fn=None,
-           rules="megatron", atol: float = 1e-5, rtol: float = 1e-4) -> VerifyReport:
+           rules="megatron", atol: float = 1e-5, rtol: float = 1e-4,
+           train: bool = False) -> VerifyReport:
     """Compare ``parallelize(model, tp)`` on simulated ranks with ``model`` itself.
 
     ``loss_fn(output) -> scalar`` defaults to the model's own scalar output
     (a language model's loss), else the mean square of its floating outputs.
+    The comparison runs in eval mode (dropout draws differ between runs);
+    ``train=True`` compares in training mode, for models without dropout.
     """
     from .api import example_args
     args, kwargs = example_args(model, example_inputs)
     ruleset = load_rules(rules)
+    model = copy.deepcopy(model).train(train)
     ref = copy.deepcopy(model)
     out = ref(*args, **kwargs)
     loss = _loss(out, loss_fn)

@@ -159,6 +159,14 @@ def test_other_shapes_modes_and_signatures():
             assert loss is None
 
 
+def test_eval_mode_model_with_dropout_stays_in_eval():
+    """A model parallelized in eval mode runs in eval mode (no dropout) until told otherwise."""
+    model = make_model("gpt", dropout=0.5).eval()
+    idx, tgt = batch(64, 2, 5)
+    results = SimulatedRanks(2).run(sharded_step, model, idx, tgt)
+    assert_equivalent(results, reference(model, idx, tgt))
+
+
 def test_code_shows_communication_and_tying_survives():
     model = make_model("gpt", tie_weights=True)
     idx, tgt = batch(64, 2, 5)

@@ -1,0 +1,158 @@
+"""The ``shardplan`` command: look at a plan, check it, run the smoke test.
+
+    shardplan plan llama-70b --tp 8              # a bundled preset, built on meta
+    shardplan plan mypkg.models:build --tp 4 --json plan.json
+    shardplan verify gpt-tiny --tp 2             # sharded == unsharded, on CPU
+    shardplan smoke
+
+TARGET is a bundled preset name (see ``shardplan.models.PRESETS``) or an
+import string ``package.module:factory`` whose ``factory()`` returns an
+``nn.Module``. Exit status: 0 success, 1 verification failed, 2 bad target or
+a shardplan error (the message says what and how to fix it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import warnings
+
+import torch
+import torch.nn as nn
+
+from .errors import ShardplanError
+from .models import PRESETS
+
+
+class TargetError(Exception):
+    """TARGET names nothing we can build."""
+
+
+def build_target(target: str, *, meta: bool) -> nn.Module:
+    """The model TARGET names; on the meta device (no memory) when ``meta`` and possible."""
+    if target in PRESETS:
+        from .models import build
+        return build(target, device="meta" if meta else None)
+    if target.endswith(".json"):
+        raise TargetError(f"{target}: Hugging Face config.json targets are not supported yet; "
+                          "use a preset or package.module:factory")
+    if ":" not in target:
+        raise TargetError(f"unknown target {target!r}: not a bundled preset "
+                          f"({', '.join(PRESETS)}) nor an import string package.module:factory")
+    factory = _import(target)
+    model = None
+    if meta:
+        try:
+            with torch.device("meta"):
+                model = factory()
+        except Exception as e:  # some factories cannot build on meta: try for real
+            print(f"shardplan: note: {target}() failed on the meta device "
+                  f"({type(e).__name__}: {e}); building it on the CPU", file=sys.stderr)
+    if model is None:
+        try:
+            model = factory()
+        except Exception as e:
+            raise TargetError(f"{target}() raised {type(e).__name__}: {e}") from e
+    if not isinstance(model, nn.Module):
+        raise TargetError(f"{target}() returned {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def _import(target: str):
+    module_name, _, attr = target.partition(":")
+    if not module_name or not attr:
+        raise TargetError(f"bad import string {target!r}: expected package.module:factory")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # like `python -m`: modules in the working directory
+    try:
+        obj = importlib.import_module(module_name)
+    except Exception as e:
+        raise TargetError(f"cannot import {module_name!r} from {target!r}: "
+                          f"{type(e).__name__}: {e}") from e
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise TargetError(f"{module_name!r} has no attribute {attr!r} "
+                              f"(from {target!r})") from None
+    if not callable(obj):
+        raise TargetError(f"{target!r} is a {type(obj).__name__}, not a callable factory")
+    return obj
+
+
+def _tp(text: str) -> int:
+    try:
+        tp = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if tp < 1:
+        raise argparse.ArgumentTypeError(f"tp must be at least 1, got {tp}")
+    return tp
+
+
+def _cmd_plan(args) -> int:
+    from .plan import plan
+    p = plan(build_target(args.target, meta=True), args.tp, strict=args.strict)
+    print(p.report())
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(p.to_json())
+        print(f"\nplan written to {args.json}")
+    return 0
+
+
+def _cmd_verify(args) -> int:
+    from .verify import verify
+    report = verify(build_target(args.target, meta=False), args.tp)
+    print(report)
+    return 0 if report.ok else 1
+
+
+def _cmd_smoke(args) -> int:
+    from . import smoke
+    return smoke.main()
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="shardplan", description="Automatic Megatron tensor parallelism for PyTorch models.",
+        epilog=f"TARGET: a bundled preset ({', '.join(PRESETS)}) or package.module:factory.")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("plan", help="print the plan for TARGET at --tp (built on meta: no memory)")
+    p.add_argument("target", metavar="TARGET")
+    p.add_argument("--tp", type=_tp, required=True, help="tensor-parallel size")
+    p.add_argument("--json", metavar="FILE", help="also write the plan as JSON to FILE")
+    p.add_argument("--strict", action="store_true",
+                   help="fail (LayoutError) where the rules cannot place an op, "
+                        "instead of keeping that region replicated")
+    p.set_defaults(run=_cmd_plan)
+
+    v = sub.add_parser("verify",
+                       help="check sharded == unsharded on simulated CPU ranks (exit 1 if not)")
+    v.add_argument("target", metavar="TARGET")
+    v.add_argument("--tp", type=_tp, required=True, help="tensor-parallel size")
+    v.set_defaults(run=_cmd_verify)
+
+    s = sub.add_parser("smoke", help="smoke run: train the bundled GPT at tp=2 on gloo, compare")
+    s.set_defaults(run=_cmd_smoke)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    # torch's own pytree deprecation, raised inside torch when a graph is deep-copied
+    warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+    try:
+        return args.run(args)
+    except TargetError as e:
+        print(f"shardplan: error: {e}", file=sys.stderr)
+    except ShardplanError as e:
+        print(f"shardplan: {type(e).__name__}: {e}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
