@@ -687,7 +687,7 @@ def _only_to_sinks(node: fx.Node, rules: RuleSet) -> bool:
     loss = rules.strategy.vocab_loss.op if rules.strategy.vocab_loss else None
     for user in node.users:
         name = op_name(user)
-        if user.op == "output" or name == loss:
+        if user.op == "output" or name == loss or rules.kind(name) in ("inspect", "size"):
             continue
         if rules.kind(name) in ("identity", "reshape", "slice") and _only_to_sinks(user, rules):
             continue

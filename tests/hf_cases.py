@@ -1,0 +1,77 @@
+"""Hugging Face models with random weights (nothing downloaded), for the HF tests."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import shardplan
+from shardplan.ruleset import load_rules
+from shardplan.runtime.ledger import CommLedger
+from shardplan.sharded import ShardedModule
+
+VOCAB = 101  # not divisible by 2 or 4: the vocabulary gets padded
+
+
+def build(kind: str, attn: str = "sdpa", layers: int = 2, heads: int = 4, kv_heads: int = 2):
+    import transformers as tf
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        cfg = tf.GPT2Config(n_layer=layers, n_embd=64, n_head=heads, vocab_size=VOCAB,
+                            n_positions=32, bos_token_id=0, eos_token_id=0)
+        model = tf.GPT2LMHeadModel(cfg)
+    elif kind == "llama":
+        cfg = tf.LlamaConfig(num_hidden_layers=layers, hidden_size=64, num_attention_heads=heads,
+                             num_key_value_heads=kv_heads, intermediate_size=96, vocab_size=VOCAB,
+                             max_position_embeddings=64, bos_token_id=0, eos_token_id=0)
+        model = tf.LlamaForCausalLM(cfg)
+    else:
+        cfg = tf.BertConfig(num_hidden_layers=layers, hidden_size=64, num_attention_heads=heads,
+                            intermediate_size=96, vocab_size=VOCAB, max_position_embeddings=64)
+        model = tf.BertForMaskedLM(cfg)
+    model.config._attn_implementation = attn
+    model.config.use_cache = False
+    return model.eval()
+
+
+def inputs(b: int = 2, t: int = 6):
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, VOCAB, (b, t), generator=g)
+    labels = torch.randint(0, VOCAB, (b, t), generator=g)
+    labels[0, 0] = -100  # an ignored position
+    mask = torch.ones(b, t, dtype=torch.long)
+    mask[-1, -2:] = 0  # padding in the last sequence
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def reference(model, kw):
+    ref = copy.deepcopy(model)
+    out = ref(**kw)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in ref.named_parameters(remove_duplicate=False)
+             if p.grad is not None}
+    return out.logits.detach(), out.loss.detach(), grads
+
+
+def step(ctx, model, kw, gather_output=True, captured=None):
+    """One forward/backward on this rank; ``captured`` (made once for all ranks) skips
+    the per-rank export."""
+    if captured is None:
+        sharded = shardplan.parallelize(copy.deepcopy(model), group=ctx.group,
+                                        example_inputs=kw, gather_output=gather_output)
+    else:
+        sharded = ShardedModule(copy.deepcopy(model), ctx.group, load_rules(), example=((), kw),
+                                gather_output=gather_output, strict=False,
+                                captured=copy.deepcopy(captured))
+    with CommLedger() as ledger:
+        out = sharded(**kw)
+        out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in sharded.named_parameters(remove_duplicate=False)
+             if p.grad is not None}
+    return (out.logits.detach(), out.loss.detach(), grads, sharded.layouts, ledger.records,
+            sharded.plan)
+
+
+def real_step(ctx, kind, kw):
+    return step(ctx, build(kind), kw)
