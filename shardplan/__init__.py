@@ -1,6 +1,7 @@
 """shardplan: Megatron-LM tensor parallelism for plain PyTorch models, planned from the graph."""
 
 from .api import parallelize
+from .consistency import check_replicas
 from .plan import Plan, plan
 from .verify import VerifyReport, verify
 from .errors import (CaptureError, CheckpointError, CommunicationError, ConfigurationError,
@@ -8,7 +9,7 @@ from .errors import (CaptureError, CheckpointError, CommunicationError, Configur
 from .layouts import Partial, Replicate, Shard
 
 __all__ = [
-    "parallelize", "plan", "Plan", "verify", "VerifyReport",
+    "parallelize", "plan", "Plan", "verify", "VerifyReport", "check_replicas",
     "Replicate", "Shard", "Partial",
     "ShardplanError", "CaptureError", "CheckpointError", "CommunicationError",
     "ConfigurationError", "DivisibilityError", "LayoutError", "RuleError",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from .consistency import assert_same_across
 from .errors import CaptureError, ConfigurationError
 from .ruleset import load_rules
 from .runtime.comm import Group, as_group
@@ -13,13 +14,16 @@ from .sharded import ShardedModule
 
 def parallelize(model: nn.Module, tp: int | None = None, *, group=None, mesh=None,
                 example_inputs=None, rules="megatron", gather_output: bool = True,
-                strict: bool = False) -> ShardedModule:
+                strict: bool = False, check_model: bool = True) -> ShardedModule:
     """Megatron tensor parallelism for ``model`` over a process group.
 
     Returns a module with the same call signature holding only this rank's
     shards; ``.plan`` says what was decided. ``group`` is a
     ``torch.distributed`` process group (default: the world) or a shardplan
     ``Group``; with ``mesh`` (a ``DeviceMesh``), its "tp" dimension.
+    ``check_model`` first compares a checksum of every parameter across the
+    ranks (one small broadcast and all-reduce): shards of different models
+    would train silently wrong.
     """
     grp = _group(group, mesh)
     if tp is not None and tp != grp.size:
@@ -30,10 +34,28 @@ def parallelize(model: nn.Module, tp: int | None = None, *, group=None, mesh=Non
         raise ConfigurationError("this model is already parallelized",
                                  where=type(model).__name__,
                                  fix="parallelize the original, unsharded model once")
+    _check_devices(model)
+    if check_model:
+        assert_same_across(grp, dict(model.named_parameters()),
+                           what=f"{type(model).__name__} is not the same model on every rank",
+                           fix="build the model identically on every rank (same seed or the same "
+                               "checkpoint) before parallelize, or pass check_model=False")
     example = example_args(model, example_inputs)
     sharded = ShardedModule(model, grp, load_rules(rules), example=example,
                             gather_output=gather_output, strict=strict)
     return sharded
+
+
+def _check_devices(model: nn.Module) -> None:
+    devices = {}
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        devices.setdefault(t.device, name)
+    if len(devices) > 1:
+        listed = ", ".join(f"{n} on {d}" for d, n in devices.items())
+        raise ConfigurationError(
+            f"{type(model).__name__} has tensors on several devices ({listed})",
+            where=type(model).__name__,
+            fix="move the whole model to one device (model.to(device)) before parallelize")
 
 
 def _group(group, mesh) -> Group:

@@ -17,7 +17,7 @@ from .capture import PLANNING_LOCK, Captured, capture
 from .engine import Annotation, annotate
 from .layouts import Replicate
 from .plan import build_plan
-from .errors import ConfigurationError
+from .errors import CheckpointError, ConfigurationError
 from .rewrite import bind, rewrite
 from .ruleset import RuleSet
 from .runtime.comm import Group
@@ -72,6 +72,7 @@ class ShardedModule(nn.Module):
         return self.graph_module.code
 
     def forward(self, *args, **kwargs):
+        self._check_materialized(args, kwargs)
         key = _key(args, kwargs, self.training)
         gm = self._graphs.get(key)
         if gm is None:
@@ -86,6 +87,36 @@ class ShardedModule(nn.Module):
                 gm = self._graphs[key] = self._finish(ann, captured, args, kwargs)
         self._last = key
         return gm(*args, **kwargs)
+
+    def load_local_(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Set this rank's tensors by FQN (every alias of a tied one), in place where
+        they exist and by replacement where they are still on ``meta``."""
+        for fqn, value in tensors.items():
+            current = self._tensors[fqn]
+            if current.is_meta or current.shape != value.shape:
+                new = nn.Parameter(value.detach().clone(), current.requires_grad) \
+                    if isinstance(current, nn.Parameter) else value.detach().clone()
+                for alias, t in list(self._tensors.items()):
+                    if t is current:
+                        self._tensors[alias] = new
+            else:
+                with torch.no_grad():
+                    current.copy_(value)
+        for gm in self._graphs.values():
+            bind(gm, self._tensors)
+        for name, t in self._graphs[self._last]._parameters.items():
+            self._parameters[name] = t
+
+    def _check_materialized(self, args, kwargs) -> None:
+        if not any(t.is_meta for t in self._tensors.values()):
+            return
+        if any(isinstance(x, torch.Tensor) and not x.is_meta for x in pytree.tree_leaves((args, kwargs))):
+            missing = [n for n, t in self._tensors.items() if t.is_meta]
+            raise CheckpointError(
+                f"the sharded model was built on meta and {len(missing)} tensors were never "
+                f"loaded (e.g. {missing[0]!r})",
+                fix="load weights first: shardplan.checkpoint.load_full_state_dict(sharded, path) "
+                    "or load_sharded(sharded, checkpoint_dir)")
 
     def _annotate(self, args, kwargs, training: bool, captured: Captured | None = None):
         if captured is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -134,12 +135,14 @@ def test_parallelize_without_process_group():
 def test_parallelize_twice_and_wrong_tp():
     idx = torch.zeros(2, 4, dtype=torch.long)
 
+    model = build("gpt-tiny")
+
     def body(ctx):
-        s = shardplan.parallelize(build("gpt-tiny"), group=ctx.group, example_inputs=idx)
+        s = shardplan.parallelize(model, group=ctx.group, example_inputs=idx)
         with pytest.raises(shardplan.ConfigurationError, match="already parallelized"):
             shardplan.parallelize(s, group=ctx.group)
         with pytest.raises(shardplan.ConfigurationError, match="tp=4"):
-            shardplan.parallelize(build("gpt-tiny"), tp=4, group=ctx.group)
+            shardplan.parallelize(model, tp=4, group=ctx.group)
 
     SimulatedRanks(2).run(body)
 
@@ -164,3 +167,52 @@ def test_plan_json_round_trip_and_schema():
     c = p.collectives[0]
     assert c.source and ".py:" in c.source and c.node and c.module is not None
     assert {d.role for d in p.decisions} >= {"column", "row", "vocab_embedding"}
+
+
+def test_different_models_on_ranks_are_refused():
+    """Each rank initializing its own random model: shards of different models."""
+    idx = torch.zeros(2, 4, dtype=torch.long)
+
+    def body(ctx):
+        torch.manual_seed(ctx.rank)  # simulated ranks share one generator: seed explicitly
+        model = build("gpt-tiny")
+        with pytest.raises(shardplan.CommunicationError, match="not the same model") as e:
+            shardplan.parallelize(model, group=ctx.group, example_inputs=idx)
+        assert "transformer.wte.weight" in str(e.value)
+        shardplan.parallelize(model, group=ctx.group, example_inputs=idx, check_model=False)
+
+    SimulatedRanks(2).run(body)
+
+
+def test_replica_drift_is_named():
+    model = build("gpt-tiny")
+    idx = torch.zeros(2, 4, dtype=torch.long)
+
+    def body(ctx):  # each rank its own copy: threads would share replicated parameters
+        s = shardplan.parallelize(copy.deepcopy(model), group=ctx.group, example_inputs=idx)
+        shardplan.check_replicas(s)  # identical after parallelize
+        if ctx.rank == 1:
+            with torch.no_grad():
+                s.get_parameter("transformer.h.1.ln_2.weight").add_(1e-3)
+        with pytest.raises(shardplan.CommunicationError, match="h.1.ln_2.weight"):
+            shardplan.check_replicas(s)
+
+    SimulatedRanks(2).run(body)
+
+
+def test_meta_sharded_model_refuses_to_run_before_loading():
+    model = build("gpt-tiny", device="meta")
+
+    def body(ctx):
+        s = shardplan.parallelize(model, group=ctx.group)
+        with pytest.raises(shardplan.CheckpointError, match="never loaded"):
+            s(torch.zeros(1, 4, dtype=torch.long))
+
+    SimulatedRanks(2).run(body)
+
+
+def test_parameters_on_several_devices():
+    model = build("gpt-tiny")
+    model.lm_head.to("meta")
+    with pytest.raises(shardplan.ConfigurationError, match="several devices"):
+        SimulatedRanks(1).run(lambda ctx: shardplan.parallelize(model, group=ctx.group))

@@ -3,7 +3,9 @@
 On CPU, autograd runs a backward pass on the thread that calls it, so
 collectives inside backward rendezvous like those in forward. The threads
 share torch's default CPU generator: code whose result depends on random
-numbers drawn inside the ranks (dropout) belongs on ``RealRanks``.
+numbers drawn inside the ranks (dropout) belongs on ``RealRanks``. They also
+share every object they are given: give each rank its own copy of a model
+(``copy.deepcopy``), or its replicated parameters are one object on all ranks.
 """
 
 from __future__ import annotations
