@@ -1,5 +1,6 @@
 """shardplan: Megatron-LM tensor parallelism for plain PyTorch models, planned from the graph."""
 
+from . import checkpoint  # noqa: F401  (shardplan.checkpoint.save_sharded, ...)
 from .api import parallelize
 from .consistency import check_replicas
 from .plan import Plan, plan

@@ -70,8 +70,24 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
 
 def _export(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
     shapes = _auto_shapes(model, args, kwargs)
-    ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=shapes)
+    with _no_kv_cache(model):
+        ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=shapes)
     return ep.module()
+
+
+@contextlib.contextmanager
+def _no_kv_cache(model: nn.Module):
+    """Hugging Face models return a key/value cache object by default; training has
+    no use for it and export cannot return it, so it is off while capturing."""
+    config = getattr(model, "config", None)
+    cached = getattr(config, "use_cache", None)
+    if cached:
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        if cached:
+            config.use_cache = cached
 
 
 def _auto_shapes(model: nn.Module, args: tuple, kwargs: dict) -> dict:

@@ -96,10 +96,24 @@ def _cmd_plan(args) -> int:
     from .plan import plan
     p = plan(build_target(args.target, meta=True), args.tp, strict=args.strict)
     print(p.report())
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(p.to_json())
-        print(f"\nplan written to {args.json}")
+    for path, text in ((args.json, p.to_json), (args.html, p.to_html)):
+        if path:
+            with open(path, "w") as f:
+                f.write(text())
+            print(f"\nplan written to {path}")
+    return 0
+
+
+def _cmd_diff(args) -> int:
+    from .plan import Plan
+    plans = []
+    for path in (args.a, args.b):
+        try:
+            with open(path) as f:
+                plans.append(Plan.from_json(f.read()))
+        except (OSError, ValueError) as e:
+            raise TargetError(f"cannot read plan {path}: {str(e).splitlines()[0]}") from e
+    print(plans[0].diff(plans[1]))
     return 0
 
 
@@ -125,6 +139,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("target", metavar="TARGET")
     p.add_argument("--tp", type=_tp, required=True, help="tensor-parallel size")
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON to FILE")
+    p.add_argument("--html", metavar="FILE",
+                   help="also write the plan as a self-contained HTML page to FILE")
     p.add_argument("--strict", action="store_true",
                    help="fail (LayoutError) where the rules cannot place an op, "
                         "instead of keeping that region replicated")
@@ -135,6 +151,11 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("target", metavar="TARGET")
     v.add_argument("--tp", type=_tp, required=True, help="tensor-parallel size")
     v.set_defaults(run=_cmd_verify)
+
+    d = sub.add_parser("diff", help="what changed between two plans (JSON from plan --json)")
+    d.add_argument("a", metavar="A.json")
+    d.add_argument("b", metavar="B.json")
+    d.set_defaults(run=_cmd_diff)
 
     s = sub.add_parser("smoke", help="smoke run: train the bundled GPT at tp=2 on gloo, compare")
     s.set_defaults(run=_cmd_smoke)

@@ -37,7 +37,9 @@ class Conflict:
     reason: str
     origins: frozenset = frozenset()
     divisibility: bool = False
-    no_rule: bool = False  # the rules do not know the op (a warning), vs. know it is not local
+    no_rule: bool = False  # the rules do not know the op
+    closes: bool = False  # a reduction over the split dim: the region just does not close
+    replicas: int = 1  # for a divisibility conflict: replicas that would make the split divide
 
 
 @dataclass
@@ -120,33 +122,55 @@ def describe(node: fx.Node) -> str:
 # --------------------------------------------------------------------------- the pass
 
 def annotate(gm: fx.GraphModule, tp: int, rules: RuleSet, *, strict: bool = False) -> Annotation:
-    """Layouts for every node of ``gm`` under tensor parallelism ``tp``."""
+    """Layouts for every node of ``gm`` under tensor parallelism ``tp``.
+
+    Openers whose regions reach an op that cannot run locally are kept
+    replicated and the pass repeats. A split that does not divide by tp is
+    an error, except where holding the split dim on groups of ranks makes it
+    divide and the region turns into an ordinary shard before any GEMM (K/V
+    heads fewer than tp: each rank holds the K/V head its query heads use).
+    """
     params = dict(gm.named_parameters(remove_duplicate=False))
     disabled: dict = {}
+    replicas: dict = {}  # opener -> (replicas, the divisibility conflict that asked for them)
     while True:
-        ann = _Pass(gm, tp, rules, params, disabled).run()
-        if not ann[1]:
+        ann, conflicts = _Pass(gm, tp, rules, params, disabled,
+                               {o: r for o, (r, _) in replicas.items()}).run()
+        if not conflicts:
             break
-        for c in ann[1]:
+        retry = False
+        for c in conflicts:
+            held = [o for o in c.origins if o in replicas]
+            if held:
+                c = replicas[held[0]][1]  # grouping ranks did not help: the split itself is wrong
+                c.divisibility, c.replicas = True, 1
             if c.divisibility:
+                grow = [o for o in c.origins if c.replicas > replicas.get(o, (1,))[0]]
+                if c.replicas > 1 and grow:
+                    for o in grow:
+                        replicas[o] = (c.replicas, c)
+                    retry = True
+                    continue
                 raise DivisibilityError(c.reason, where=describe(c.node), source=source_of(c.node),
                                         fix=f"choose tp dividing that size (tp={tp} does not)")
-            if strict and c.no_rule:
+            if strict and not c.closes:
                 raise LayoutError(c.reason, where=describe(c.node), source=source_of(c.node),
                                   fix="add a rule for this op, or drop strict=True to keep the "
                                       "region replicated")
             for o in c.origins:
-                disabled.setdefault(o, (f"{c.reason} at {describe(c.node)}", c.no_rule))
-    annotation = ann[0]
-    annotation.disabled = {n: why for n, (why, _) in disabled.items()}
-    annotation.warnings = [f"{describe(n)} kept replicated: {why}"
-                           for n, (why, no_rule) in disabled.items() if no_rule]
-    return annotation
+                disabled.setdefault(o, (f"{c.reason} at {describe(c.node)}", not c.closes))
+        if retry:
+            continue
+    ann.disabled = {n: why for n, (why, _) in disabled.items()}
+    ann.warnings = [f"{describe(n)} kept replicated: {why}"
+                    for n, (why, warn) in disabled.items() if warn]
+    return ann
 
 
 class _Pass:
-    def __init__(self, gm, tp, rules: RuleSet, params, disabled):
+    def __init__(self, gm, tp, rules: RuleSet, params, disabled, replicas):
         self.gm, self.tp, self.rules, self.params, self.disabled = gm, tp, rules, params, disabled
+        self.replicas = replicas
         self.layouts: dict = {}
         self.origins: dict = {}  # node -> frozenset of opener nodes its layout derives from
         self.outcomes: dict = {}
@@ -252,19 +276,21 @@ class _Pass:
         size = hint(shape(node)[odim])
         blocks = _segments(node, odim, self.rules)
         padded = None
-        if any(b % self.tp for b in (blocks or [size])):
+        r = self.replicas.get(node, 1)
+        if any(b % (self.tp // r) for b in (blocks or [size])):
             if blocks is None and self.rules.strategy.pad_vocabulary and _only_to_sinks(node, self.rules):
                 padded = math.ceil(size / self.tp) * self.tp
             else:
                 return _conflict(node, f"{module_of(node) or node.name}: output size "
                                  f"{'+'.join(map(str, blocks or [size]))} does not divide by tp={self.tp}",
                                  divisibility=True)
-        shard = lambda d: Shard(d, blocks, padded)  # noqa: E731
+        shard = lambda d: Shard(d, blocks, padded, r)  # noqa: E731
         needs = {(spec.weight,): shard(wdim)}
         for path, _ in operands(node):
             if path != (spec.weight,) and path in labels and spec.factor in labels[path]:
                 needs[path] = shard(labels[path].index(spec.factor))  # the bias
-        return Outcome(shard(odim), needs, role="column", rule="open: column parallel")
+        rule = "open: column parallel" + (f", each part on {r} ranks" if r > 1 else "")
+        return Outcome(shard(odim), needs, role="column", rule=rule)
 
     def _open_vocab(self, node) -> Outcome | None:
         spec = self.rules.strategy.vocab_embedding
@@ -326,12 +352,18 @@ class _Pass:
 
     def _reshape(self, node, lays) -> Outcome:
         lay = lays[(0,)]
-        res = _map_reshape(lay, [hint(d) for d in shape(node.args[0])],
-                           [hint(d) for d in shape(node)],
-                           [is_symbolic(d) for d in shape(node.args[0])],
-                           [is_symbolic(d) for d in shape(node)], self.tp)
-        if isinstance(res, str):
-            return _conflict(node, res, divisibility=res.startswith("split"))
+        src, dst = shape(node.args[0]), shape(node)
+        src_h, src_sym = [hint(d) for d in src], [is_symbolic(d) for d in src]
+        if lay.replicas > 1 and _merges_expanded_copies(node, lay):
+            d = lay.dim  # the copies of each part are split between the ranks holding it
+            src_h[d:d + 2] = [src_h[d] * src_h[d + 1]]
+            src_sym[d:d + 2] = [False]
+            lay = Shard(d)
+        res = _map_reshape(lay, src_h, [hint(d) for d in dst], src_sym,
+                           [is_symbolic(d) for d in dst], self.tp)
+        if isinstance(res, Conflict):
+            res.node = node
+            return Outcome(None, conflict=res)
         return Outcome(res, rule="reshape")
 
     def _permute(self, node, lays) -> Outcome:
@@ -354,6 +386,13 @@ class _Pass:
         d = lay.dim + len(dst) - len(src)
         if hint(dst[d]) != hint(src[lay.dim]):
             return _conflict(node, "expand along a sharded dim")
+        if lay.replicas > 1:  # broadcast copies of a part held by several ranks: split them
+            e = lay.dim + 1
+            copies = hint(dst[d + 1]) if e < len(src) and hint(src[e]) == 1 else 0
+            one_each = lay.local_size(hint(src[lay.dim]), self.tp) == 1  # one K/V head per rank
+            if not one_each or copies % lay.replicas or not all(
+                    self.rules.kind(op_name(u)) == "reshape" for u in node.users):
+                return _conflict(node, "expand of a dim held by groups of ranks")
         return Outcome(_with_dim(lay, d), rule="expand")
 
     def _split(self, node, lays) -> Outcome:
@@ -368,7 +407,7 @@ class _Pass:
             d = lay.dim - (1 if "unbind" in name and lay.dim > dim else 0)
             return Outcome(tuple(_with_dim(lay, d) for _ in pieces), rule="split (other dim)")
         sizes = [hint(p[dim]) for p in pieces]
-        groups = _group_blocks(lay, sizes)
+        groups = _group_blocks(lay, sizes) if lay.replicas == 1 else None
         if groups is None:
             return _conflict(node, f"split {sizes} across the sharded dim does not follow its "
                                    f"blocks {lay.blocks}")
@@ -390,7 +429,7 @@ class _Pass:
         if start is None:
             return _conflict(node, "strided slice on the sharded dim")
         bounds = list(_cumsum(lay.blocks or [full]))
-        if start not in bounds or stop not in bounds or lay.padded:
+        if start not in bounds or stop not in bounds or lay.padded or lay.replicas > 1:
             return _conflict(node, f"slice [{start}:{stop}] cuts a block of the sharded dim")
         inner = [b for b, s in zip(lay.blocks or [full], bounds) if start <= s - b and s <= stop]
         return Outcome(Shard(dim, tuple(inner) if len(inner) > 1 else None),
@@ -430,7 +469,8 @@ class _Pass:
             arg = list(range(rank)) if arg is None else ([arg] if isinstance(arg, int) else arg)
             dims = {d % rank for d in arg}
         if lay.dim in dims:
-            return _conflict(node, f"{op_name(node)} reduces over the sharded dim")
+            return Outcome(None, conflict=Conflict(
+                node, f"{op_name(node)} reduces over the sharded dim", closes=True))
         out_rank = len(shape(node))
         d = lay.dim if out_rank == rank else lay.dim - sum(1 for x in dims if x < lay.dim)
         needs = {p: R for p in lays if p != (0,)}
@@ -467,7 +507,7 @@ def _floating(node) -> bool:
 
 
 def _with_dim(lay: Shard, d: int) -> Shard:
-    return Shard(d, lay.blocks, lay.padded)
+    return Shard(d, lay.blocks, lay.padded, lay.replicas)
 
 
 def _cumsum(xs):
@@ -512,12 +552,14 @@ def _factor_rule(node, lays, labels, *, partial_ok, shardable, rule) -> Outcome:
             if p not in labels:
                 return _conflict(node, "sharded operand outside the op's signature")
             f = labels[p][lay.dim]
-            key = (lay.blocks, lay.padded)
+            key = (lay.blocks, lay.padded, lay.replicas)
+            if lay.replicas > 1 and not rule.startswith("elementwise"):
+                return _conflict(node, f"{op_name(node)} on a dim held by groups of ranks")
             if sharded.setdefault(f, key) != key:
                 return _conflict(node, "operands sharded with different blocks")
     if len(sharded) > 1:
         return _conflict(node, f"operands sharded on different dims ({', '.join(sharded)})")
-    (f, (blocks, padded)), = sharded.items()
+    (f, (blocks, padded, replicas)), = sharded.items()
     if shardable is not None and not (f in shardable or (f.startswith(".") and "." in shardable)):
         return _conflict(node, f"factor {f!r} of {op_name(node)} cannot be sharded")
     needs, bias = {}, None
@@ -526,11 +568,11 @@ def _factor_rule(node, lays, labels, *, partial_ok, shardable, rule) -> Outcome:
             continue
         a = _operand(node, p)
         if f in lab and hint(shape(a)[lab.index(f)]) == sizes[f] and sizes[f] > 1:
-            needs[p] = Shard(lab.index(f), blocks, padded)
+            needs[p] = Shard(lab.index(f), blocks, padded, replicas)
         else:
             needs[p] = R
     if f in labels["out"]:
-        return Outcome(Shard(labels["out"].index(f), blocks, padded), needs, rule=rule)
+        return Outcome(Shard(labels["out"].index(f), blocks, padded, replicas), needs, rule=rule)
     if not partial_ok or padded:
         return _conflict(node, f"{op_name(node)} contracts the sharded factor {f!r}")
     for p, lab in labels.items():
@@ -545,24 +587,27 @@ def _operand(node, path):
     return a[path[1]] if len(path) == 2 and path[0] != "k" else a
 
 
-def _map_reshape(lay: Shard, src, dst, src_sym, dst_sym, tp):
+def _map_reshape(lay: Shard, src, dst, src_sym, dst_sym, tp) -> Shard | Conflict:
     """Where a shard of ``src`` lands in ``dst`` after a row-major reshape, or why not."""
+    def fail(reason, **kw):
+        return Conflict(None, reason, **kw)
+
     groups = _reshape_groups(src, dst)
     if groups is None:
-        return "reshape groups do not match"
+        return fail("reshape groups do not match")
     for (a, b), (c, e) in groups:
         if a <= lay.dim < b:
             break
     if any(src_sym[a:b]) or any(dst_sym[c:e]):
-        return "reshape mixes the sharded dim with batch/sequence dims"
+        return fail("reshape mixes the sharded dim with batch/sequence dims")
     if lay.padded:
         if (b - a, e - c) == (1, 1):
             return Shard(c, None, lay.padded)
-        return "reshape of a padded dim"
+        return fail("reshape of a padded dim")
+    parts = tp // lay.replicas
     inner = math.prod(src[lay.dim + 1:b])
     flat = [blk * inner for _ in range(math.prod(src[a:lay.dim]))
             for blk in (lay.blocks or [src[lay.dim]])]
-    divisible_somewhere = False
     for j in range(c, e):
         row = dst[j] * math.prod(dst[j + 1:e])
         inner_out = math.prod(dst[j + 1:e])
@@ -579,24 +624,65 @@ def _map_reshape(lay: Shard, src, dst, src_sym, dst_sym, tp):
             continue
         if any(blk % inner_out for blk in rows[0]):
             continue
-        divisible_somewhere = True
-        if any((blk // inner_out) % tp for blk in rows[0]):
-            continue
-        blocks = tuple(blk // inner_out for blk in rows[0])
-        return Shard(j, blocks if len(blocks) > 1 else None)
-    if divisible_somewhere:
-        return (f"split of a sharded dim into {[dst[j] for j in range(c, e)]} does not divide "
-                f"by tp={tp} (e.g. heads not divisible by tp)")
-    return f"reshape {list(src)} -> {list(dst)} cuts the shard"
+        counts = [blk // inner_out for blk in rows[0]]
+        if len(counts) > 1 and all(n == 1 for n in counts):
+            continue  # this dim enumerates the blocks: the shard lies inside them
+        if any(n % parts for n in counts):  # the major dim carries the shard (heads): no
+            needed = tp // math.gcd(counts[0], tp) if len(counts) == 1 else 1  # moving it inward
+            return fail(f"split of a sharded dim into {[dst[k] for k in range(c, e)]} does not "
+                        f"divide by tp={tp} (e.g. heads not divisible by tp)",
+                        divisibility=True, replicas=needed)
+        blocks = tuple(counts)
+        return Shard(j, blocks if len(blocks) > 1 else None, None, lay.replicas)
+    return fail(f"reshape {list(src)} -> {list(dst)} cuts the shard")
+
+
+def _merges_expanded_copies(node: fx.Node, lay: Shard) -> bool:
+    """Is ``node`` a reshape merging ``lay``'s dim with the next one, made by an expand
+    from size 1 (a repeat of K/V heads for grouped-query attention)?"""
+    src = node.args[0]
+    d = lay.dim
+    if op_name(src) != "aten.expand.default" or lay.blocks or lay.padded:
+        return False
+    before = shape(src.args[0])
+    off = len(shape(src)) - len(before)
+    if d + 1 - off >= len(before) or hint(before[d + 1 - off]) != 1:
+        return False
+    dst = [hint(x) for x in shape(node)]
+    src_h = [hint(x) for x in shape(src)]
+    merged = src_h[:d] + [src_h[d] * src_h[d + 1]] + src_h[d + 2:]
+    return _reshape_groups(merged, dst) is not None and \
+        hint(shape(src)[d + 1]) % lay.replicas == 0
 
 
 def _reshape_groups(src, dst):
-    """Pair runs of dims with equal products: [((a, b), (c, e)), ...]."""
+    """Pair runs of dims with equal products: [((a, b), (c, e)), ...].
+
+    Size-1 dims facing each other pair up; one that appears on one side only
+    joins the run after it (a new head dim of size 1 is the major dim of what
+    follows); trailing ones join the last run.
+    """
     groups, i, j = [], 0, 0
     while i < len(src) or j < len(dst):
+        if i < len(src) and j < len(dst) and src[i] == 1 and dst[j] == 1:
+            groups.append(((i, i + 1), (j, j + 1)))  # a size-1 dim on both sides: kept
+            i, j = i + 1, j + 1
+            continue
         a, c = i, j
-        ps = src[i] if i < len(src) else 1
-        pd = dst[j] if j < len(dst) else 1
+        while i < len(src) and src[i] == 1:
+            i += 1
+        while j < len(dst) and dst[j] == 1:
+            j += 1
+        if i == len(src) and j == len(dst):  # only size-1 dims were left
+            if groups:
+                (ga, _), (gc, _) = groups[-1]
+                groups[-1] = ((ga, i), (gc, j))
+            else:
+                groups.append(((a, i), (c, j)))
+            break
+        if i == len(src) or j == len(dst):
+            return None
+        ps, pd = src[i], dst[j]
         i, j = i + 1, j + 1
         while ps != pd:
             if ps < pd and i < len(src):
@@ -605,12 +691,7 @@ def _reshape_groups(src, dst):
                 pd *= dst[j]; j += 1  # noqa: E702
             else:
                 return None
-        # absorb trailing size-1 dims into this group
-        while i < len(src) and src[i] == 1 and (j >= len(dst) or dst[j] != 1):
-            i += 1
-        while j < len(dst) and dst[j] == 1 and (i >= len(src) or src[i] != 1):
-            j += 1
-        groups.append(((a, min(i, len(src))), (c, min(j, len(dst)))))
+        groups.append(((a, i), (c, j)))
     return groups
 
 
@@ -663,7 +744,7 @@ def _segments(node: fx.Node, dim: int, rules: RuleSet) -> tuple[int, ...] | None
             if kind in ("identity", "elementwise") and ushape is not None and len(ushape) == rank \
                     and hint(ushape[d]) == size:
                 frontier.append((user, d))
-            elif kind == "reshape" and ushape and hint(ushape[-1]) == size and d == rank - 1:
+            elif kind == "reshape" and ushape and d == rank - 1 and _keeps_last_dim(cur, user):
                 frontier.append((user, len(ushape) - 1))
             elif kind == "split":
                 sdim = user.args[2] if len(user.args) > 2 else 0
@@ -680,6 +761,15 @@ def _segments(node: fx.Node, dim: int, rules: RuleSet) -> tuple[int, ...] | None
         return None
     edges = [0, *bounds, size]
     return tuple(b - a for a, b in zip(edges, edges[1:]))
+
+
+def _keeps_last_dim(src: fx.Node, node: fx.Node) -> bool:
+    """Does the reshape ``node`` leave ``src``'s last dim whole (regrouping only the others)?"""
+    groups = _reshape_groups([hint(d) for d in shape(src)], [hint(d) for d in shape(node)])
+    if not groups:
+        return False
+    (a, b), (c, e) = groups[-1]
+    return b - a == 1 and e - c == 1
 
 
 def _only_to_sinks(node: fx.Node, rules: RuleSet) -> bool:

@@ -10,7 +10,9 @@ A shard may be *blocked*: ``blocks`` lists the sizes of consecutive segments
 of ``dim`` (a fused QKV output is ``blocks=(H, H, H)``, a GQA one
 ``(Hq, Hkv, Hkv)``); rank r then holds the r-th slice of every segment,
 concatenated. ``padded`` is the size ``dim`` is padded to before splitting
-(a vocabulary not divisible by tp); padding rows are zero.
+(a vocabulary not divisible by tp); padding rows are zero. ``replicas`` > 1
+splits ``dim`` into tp/replicas parts, each held by ``replicas`` consecutive
+ranks (K/V heads fewer than tp: the ranks that share a head hold it).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class Shard:
     dim: int
     blocks: tuple[int, ...] | None = None
     padded: int | None = None
+    replicas: int = 1
 
     def __str__(self) -> str:
         extra = ""
@@ -44,10 +47,12 @@ class Shard:
             extra += "|" + "+".join(map(str, self.blocks))
         if self.padded:
             extra += f"|pad{self.padded}"
+        if self.replicas > 1:
+            extra += f"|x{self.replicas}"
         return f"S({self.dim}{extra})"
 
     def local_size(self, full: int, tp: int) -> int:
-        return (self.padded or full) // tp
+        return (self.padded or full) * self.replicas // tp
 
     def slice(self, t: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
         """This rank's part of the full tensor ``t`` (a copy)."""
@@ -55,11 +60,13 @@ class Shard:
             pad = list(t.shape)
             pad[self.dim] = self.padded - t.shape[self.dim]
             t = torch.cat([t, t.new_zeros(pad)], self.dim)
+        parts, index = tp // self.replicas, rank // self.replicas
         segments = t.split(list(self.blocks), self.dim) if self.blocks else [t]
-        return torch.cat([s.chunk(tp, self.dim)[rank] for s in segments], self.dim).clone()
+        return torch.cat([s.chunk(parts, self.dim)[index] for s in segments], self.dim).clone()
 
     def unshard(self, parts: list[torch.Tensor], full: int) -> torch.Tensor:
         """The full tensor from every rank's part (in rank order); drops padding."""
+        parts = parts[::self.replicas]
         tp = len(parts)
         if self.blocks:
             pieces = [p.split([b // tp for b in self.blocks], self.dim) for p in parts]

@@ -20,12 +20,13 @@ from pydantic import BaseModel, Field
 
 from .capture import Captured, capture, module_of, source_of
 from .engine import Annotation, annotate, hint, shape
-from .errors import CommunicationError
+from .errors import CommunicationError, ConfigurationError
 from .layouts import Partial, Replicate, Shard
 from .rewrite import rewrite
 from .ruleset import RuleSet, load_rules
 from .runtime.comm import Group
-from .runtime.graph_ops import CopyToRegion, GatherShard, ReduceFromRegion, VocabCrossEntropy
+from .runtime.graph_ops import (CopyToRegion, GatherShard, ReduceFromRegion, SumOverReplicas,
+                                VocabCrossEntropy)
 from .shards import local_shape
 
 SCHEMA_VERSION = 1
@@ -99,6 +100,26 @@ class Plan(BaseModel):
         from .report import render_text
         return render_text(self, width)
 
+    def to_html(self) -> str:
+        """The plan as one self-contained HTML page (docs/report.md)."""
+        from .html_report import render_html
+        return render_html(self)
+
+    def diff(self, other: Plan) -> str:
+        """What changed from this plan to ``other`` (``plan_diff.compare_plans`` for data)."""
+        from .plan_diff import diff_plans
+        return diff_plans(self, other)
+
+    def to_dtensor_plan(self, **kw) -> dict:
+        """``{module FQN: ParallelStyle}`` for ``torch.distributed.tensor.parallel.parallelize_module``."""
+        from .export import to_dtensor_plan
+        return to_dtensor_plan(self, **kw)
+
+    def to_hf_tp_plan(self, **kw) -> dict[str, str]:
+        """The Hugging Face ``base_model_tp_plan`` strings for this plan."""
+        from .export import to_hf_tp_plan
+        return to_hf_tp_plan(self, **kw)
+
     def to_json(self, **kw) -> str:
         return self.model_dump_json(indent=2, **kw)
 
@@ -128,6 +149,9 @@ def plan(model: nn.Module, tp: int, *, example_inputs=None, rules="megatron",
     their decisions stamped onto the rest.
     """
     from .api import example_args
+    if not isinstance(tp, int) or tp < 1:
+        raise ConfigurationError(f"tp must be a positive integer, got {tp!r}",
+                                 fix="pass the tensor-parallel size, e.g. tp=8")
     ruleset = load_rules(rules)
     args, kwargs = example_args(model, example_inputs)
     captured = capture(model, args, kwargs, truncate=True)
@@ -205,6 +229,8 @@ def _collectives(gm: fx.GraphModule, ann: Annotation, tokens: int) -> list[Colle
             entries = [("all_reduce", "backward", "f", numel)]
         elif isinstance(mod, ReduceFromRegion):
             entries = [("all_reduce", "forward", "g", numel)]
+        elif isinstance(mod, SumOverReplicas):  # the full tensor (its meta holds full shapes)
+            entries = [("all_reduce", "backward", "replica_grad", numel)]
         elif isinstance(mod, GatherShard):
             entries = [("all_gather", "forward", "gather_output", _full_numel(src, mod))]
         elif isinstance(mod, VocabCrossEntropy):

@@ -20,7 +20,7 @@ from .engine import Annotation, _any_sharded, _slice_range, hint, op_name, opera
 from .layouts import Partial, Replicate, Shard
 from .runtime.comm import Group
 from .runtime.graph_ops import (CopyToRegion, GatherShard, LocalShard, ReduceFromRegion,
-                                VocabCrossEntropy, VocabLookup)
+                                SumOverReplicas, VocabCrossEntropy, VocabLookup)
 
 aten = torch.ops.aten
 
@@ -68,6 +68,8 @@ class _Rewriter:
             if not isinstance(have, Replicate):
                 continue
             if isinstance(need, Shard) and a.op == "get_attr":
+                if need.replicas > 1 and self.ann.requires_grad.get(a):
+                    _replace_operand(node, path, self._replica_sum(a, need))
                 continue  # a sharded parameter: sliced when bound
             new = a
             if entering and self.ann.requires_grad.get(a):
@@ -92,6 +94,13 @@ class _Rewriter:
             with self.graph.inserting_after(a):
                 self.f_of[a] = self.graph.call_module(
                     self._module("f", CopyToRegion(self.group, self._site(a))), (a,))
+        return self.f_of[a]
+
+    def _replica_sum(self, a: fx.Node, lay: Shard) -> fx.Node:
+        if a not in self.f_of:
+            with self.graph.inserting_after(a):
+                self.f_of[a] = self.graph.call_module(self._module("replica_sum", SumOverReplicas(
+                    self.group, lay.dim, lay.replicas, self._site(a))), (a,))
         return self.f_of[a]
 
     def _g_after(self, node: fx.Node, site_of: fx.Node) -> fx.Node:
@@ -182,6 +191,8 @@ class _Rewriter:
                     else out.dim
                 if 0 <= j < len(sizes):
                     sizes[j] = self._local(node, sizes[j], out, shape(node)[out.dim])
+                    if kind == "expand" and out.replicas > 1:  # copies split between replicas
+                        sizes[j + 1] = self._divided(node, sizes[j + 1], out.replicas)
                     _set_arg(node, pos, sizes)
         elif kind == "split" and name != "aten.unbind.int":
             dim = (node.args[2] if len(node.args) > 2 else 0) % len(shape(node.args[0]))
@@ -203,8 +214,13 @@ class _Rewriter:
     def _local(self, node, size, lay: Shard, full):
         if isinstance(size, int):
             return size if size == -1 else lay.local_size(size, self.group.size)
+        return self._divided(node, size, self.group.size // lay.replicas)
+
+    def _divided(self, node, size, by: int):
+        if isinstance(size, int):
+            return size if size == -1 else size // by
         with self.graph.inserting_before(node):  # a traced size expression
-            return self.graph.call_function(operator.floordiv, (size, self.group.size))
+            return self.graph.call_function(operator.floordiv, (size, by))
 
     # ----------------------------------------------------------------- outputs
 

@@ -106,10 +106,29 @@ def test_heads_not_divisible_names_module_line_and_fix():
     assert "transformer.h.0.attn" in msg and "gpt.py:" in msg and "tp=4" in msg and "fix:" in msg
 
 
-def test_kv_heads_not_divisible():
-    model = build("llama-tiny")  # 4 heads, 2 kv heads
+def test_kv_heads_not_dividing_tp_nor_divided_by_it():
+    """12 query heads on 4 ranks need K/V heads 0,0,0 | 0,1,1 | ...: with 3 K/V heads no
+    rank can hold whole heads of its own, so this is refused rather than mis-sliced."""
+    model = build("llama-tiny", n_heads=12, n_kv_heads=3, dim=96)
     with pytest.raises(shardplan.DivisibilityError, match="layers.0.attention"):
         shardplan.plan(model, 4)
+
+
+@pytest.mark.parametrize("kv,heads,tp", [(2, 4, 4), (1, 4, 4), (2, 8, 8)])
+def test_kv_heads_fewer_than_tp_are_held_by_rank_groups(kv, heads, tp):
+    """Each rank holds the K/V head its query heads use; the ranks sharing a head sum its
+    gradient (one backward all-reduce of the K and V weights per layer)."""
+    torch.manual_seed(0)
+    model = build("llama-tiny", n_heads=heads, n_kv_heads=kv, dim=16 * heads)
+    idx = torch.randint(0, 100, (2, 6), generator=torch.Generator().manual_seed(3))
+    report = shardplan.verify(model, tp, example_inputs=(idx, idx))
+    assert report.ok, str(report)
+    p = shardplan.plan(model, tp, example_inputs=(idx, idx))
+    wk = p.param("layers.0.attention.wk.weight")
+    assert wk.layout == f"S(0|x{tp // kv})" and wk.local_shape == [16, 16 * heads]
+    sums = [c for c in p.collectives if c.purpose == "replica_grad"]
+    assert len(sums) == 2 * 2 and all(c.elements == kv * 16 * 16 * heads for c in sums)
+    assert not p.warnings
 
 
 def test_untraceable_forward_names_the_line():

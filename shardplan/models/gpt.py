@@ -108,7 +108,12 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self):
-        """Megatron init: N(0, 0.02), residual output projections N(0, 0.02/sqrt(2L))."""
+        """Megatron init: N(0, 0.02), residual output projections N(0, 0.02/sqrt(2L)).
+
+        Nothing to fill on ``meta`` (shapes only), so nothing is done there.
+        """
+        if self.transformer.wte.weight.is_meta:
+            return
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, std=0.02)

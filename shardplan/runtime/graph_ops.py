@@ -111,3 +111,33 @@ class LocalShard(nn.Module):
 
     def forward(self, x):
         return self.layout.slice(x, self.rank, self.tp)
+
+
+class _SumOverReplicas(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w, group, dim, replicas, site):
+        ctx.group, ctx.dim, ctx.replicas, ctx.site = group, dim, replicas, site
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        g, dim, n = ctx.group, ctx.dim, grad.shape[ctx.dim]
+        parts, index = g.size // ctx.replicas, g.rank // ctx.replicas
+        shape = list(grad.shape)
+        shape[dim] = n * parts
+        buf = grad.new_zeros(shape)
+        buf.narrow(dim, index * n, n).copy_(grad)
+        total = g.all_reduce(buf, direction="backward", site=ctx.site)
+        return total.narrow(dim, index * n, n), None, None, None, None
+
+
+class SumOverReplicas(nn.Module):
+    """Identity forward; backward sums a parameter part's gradient over the ranks
+    that hold the same part (``Shard(replicas=r)``), so their copies stay equal."""
+
+    def __init__(self, group: Group, dim: int, replicas: int, site: str):
+        super().__init__()
+        self.group, self.dim, self.replicas, self.site = group, dim, replicas, site
+
+    def forward(self, w):
+        return _SumOverReplicas.apply(w, self.group, self.dim, self.replicas, self.site)

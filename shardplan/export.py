@@ -1,0 +1,330 @@
+"""A plan in other tools' words: DTensor parallel styles and Hugging Face tp_plan strings.
+
+``to_dtensor_plan(plan)`` maps module FQNs to ``torch.distributed.tensor.parallel``
+styles for ``parallelize_module(model, mesh, styles)``:
+
+==========================  ==================================================
+shardplan decision          DTensor style
+==========================  ==================================================
+column, weight ``S(0)``     ``ColwiseParallel(use_local_output=local_output)``
+column whose output the     ``ColwiseParallel(output_layouts=Replicate())``
+plan gathers (an LM head)
+row, weight ``S(1)``        ``RowwiseParallel()``
+vocab_embedding             ``RowwiseParallel(input_layouts=Replicate())``
+replicated / no decision    (no entry: the module stays as it is)
+==========================  ==================================================
+
+``to_hf_tp_plan(plan)`` gives the same as Hugging Face ``tp_plan`` strings
+("colwise", "rowwise", "embedding_rowwise", "colwise_gather_output",
+"packed_colwise", "packed_rowwise"), keyed by module paths with ``*`` for the
+index of identical blocks ("model.layers.*.self_attn.q_proj").
+
+What cannot be exported raises ``LayoutError`` naming every such module;
+``export_issues(plan, target)`` lists the problems (and the notes: what is
+exported but communicates differently) without raising:
+
+- blocked shards ``S(0|a+b+c)`` (a fused QKV: each rank holds its slice of
+  every block). DTensor's public styles shard a weight in one piece; Hugging
+  Face's ``packed_colwise`` / ``packed_rowwise`` express exactly two equal
+  blocks (fused gate/up), so those export there, other blocks nowhere;
+- shards held by groups of ranks ``S(d|xR)`` (fewer KV heads than tp);
+- ``partial`` decisions (a contraction of a split activation with another
+  activation, not a parameter): no module style places that;
+- a module planned with two different roles (called twice);
+- split weights stored (in, out) (HF ``Conv1D``): the styles handle
+  ``nn.Linear`` / ``nn.Embedding`` only;
+- a split parameter that no exported module owns (used functionally by a
+  parent module, or not named ``weight`` / ``bias``);
+- with ``model=`` given: a split module that is not an ``nn.Linear`` /
+  ``nn.Embedding``.
+
+Notes (exported, not fatal): a padded vocabulary ``S(0|padN)`` becomes an
+uneven DTensor shard (same values, rank-local shapes differ from shardplan's);
+a vocab-parallel loss is not a module style, so the exported model computes
+the loss on gathered logits (more communication, same values); tied weights
+must be tied again after ``parallelize_module`` (``parallelize_with_dtensor``
+does it).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from .errors import LayoutError
+from .html_report import parse_layout
+
+__all__ = ["to_dtensor_plan", "to_hf_tp_plan", "export_issues", "ExportIssue",
+           "parallelize_with_dtensor"]
+
+_INDEX = re.compile(r"\.(\d+)(?=\.|$)")
+
+
+@dataclass(frozen=True)
+class ExportIssue:
+    module: str
+    layout: str
+    reason: str
+    fatal: bool = True
+
+    def __str__(self) -> str:
+        return f"{self.module or '(model)'} [{self.layout}]: {self.reason}"
+
+
+@dataclass
+class _Module:
+    path: str
+    roles: set
+    params: dict  # attribute name -> ParamEntry (own or tied alias)
+    gathered: bool = False
+    style: str | None = None  # column | column_gather | row | embedding | packed_column | packed_row
+
+
+def _owner(name: str) -> tuple[str, str]:
+    mod, _, attr = name.rpartition(".")
+    return mod, attr
+
+
+def _analyse(plan, target: str, model=None) -> tuple[OrderedDict, list[ExportIssue]]:
+    """Per module: the style it exports as, and every issue found."""
+    issues: list[ExportIssue] = []
+    mods: OrderedDict[str, _Module] = OrderedDict()
+    params_of: dict[str, dict] = {}
+    for p in plan.params:
+        for name in [p.name, *p.aliases]:
+            mod, attr = _owner(name)
+            params_of.setdefault(mod, {})[attr] = p
+    for d in plan.decisions:
+        if d.role in ("replicated",):
+            continue
+        if d.role == "vocab_loss":
+            issues.append(ExportIssue(d.module, d.layout, "vocab-parallel cross-entropy is not a module "
+                                      "style: the exported model computes the loss on gathered logits "
+                                      "(same values, more communication)", fatal=False))
+            continue
+        m = mods.setdefault(d.module, _Module(d.module, set(), params_of.get(d.module, {})))
+        m.roles.add(d.role)
+    for c in plan.collectives:
+        if c.purpose == "gather_output" and c.module in mods:
+            mods[c.module].gathered = True
+
+    for m in mods.values():
+        weight = m.params.get("weight")
+        wlay = parse_layout(weight.layout) if weight else None
+        lay_text = weight.layout if weight else "-"
+        if len(m.roles) > 1:
+            issues.append(ExportIssue(m.path, lay_text, f"planned with several roles ({', '.join(sorted(m.roles))}): "
+                                      "a module style gives one"))
+            continue
+        role = next(iter(m.roles))
+        if role == "partial":
+            issues.append(ExportIssue(m.path, "P", "a partial sum from contracting a split activation with "
+                                      "another activation: no module style places it"))
+            continue
+        if weight is None or wlay.kind != "S":
+            issues.append(ExportIssue(m.path, lay_text, f"{role} decision without a split 'weight' "
+                                      "parameter of its own (a functional op on a parent's parameter?)"))
+            continue
+        ndim = len(weight.global_shape)
+        dim = wlay.dim + ndim if wlay.dim < 0 else wlay.dim
+        if wlay.replicas > 1:
+            issues.append(ExportIssue(m.path, lay_text, f"each part is held by a group of {wlay.replicas} "
+                                      "ranks (fewer heads than tp): not expressible on a 1-D mesh"))
+            continue
+        want = {"column": 0, "row": 1, "vocab_embedding": 0}.get(role)
+        if want is None:
+            issues.append(ExportIssue(m.path, lay_text, f"role {role!r} has no export"))
+            continue
+        if ndim != 2 or dim != want:
+            issues.append(ExportIssue(m.path, lay_text, f"{role} weight split on dim {dim} of a {ndim}-D weight: "
+                                      "the styles expect nn.Linear's (out, in) / nn.Embedding's (rows, dim) "
+                                      "(an HF Conv1D stores (in, out))"))
+            continue
+        if wlay.blocks:
+            packable = target == "hf" and len(wlay.blocks) == 2 and wlay.blocks[0] == wlay.blocks[1] \
+                and role in ("column", "row")
+            if not packable:
+                where = ("DTensor's styles shard a weight in one piece" if target == "dtensor" else
+                         "Hugging Face's packed styles express two equal blocks only")
+                issues.append(ExportIssue(m.path, lay_text, f"blocked shard (each rank holds its slice of "
+                                          f"blocks {'+'.join(map(str, wlay.blocks))}): {where}"))
+                continue
+            m.style = "packed_column" if role == "column" else "packed_row"
+        elif role == "column":
+            m.style = "column_gather" if m.gathered else "column"
+        elif role == "row":
+            m.style = "row"
+        else:
+            m.style = "embedding"
+        if wlay.padded:
+            issues.append(ExportIssue(m.path, lay_text, "padded vocabulary: exported as an uneven shard "
+                                      "(same values; rank-local shapes differ from shardplan's)", fatal=False))
+        for attr, p in m.params.items():
+            if attr == "weight":
+                continue
+            blay = parse_layout(p.layout)
+            ok = attr == "bias" and (
+                (role == "row" and blay.kind == "R")
+                or (role == "column" and blay.kind == "S" and (blay.blocks or None) == (wlay.blocks or None)))
+            if not ok:
+                m.style = None
+                issues.append(ExportIssue(m.path, p.layout, f"parameter {attr!r} with layout {p.layout} "
+                                          f"beside a {role} weight: the style would place it differently"))
+        if model is not None and m.style:
+            _check_module_type(model, m, issues)
+
+    order = {}
+    for p in plan.params:
+        for n in [p.name, *p.aliases]:
+            order.setdefault(_owner(n)[0], len(order))
+    mods = OrderedDict(sorted(mods.items(), key=lambda kv: order.get(kv[0], len(order))))
+    exported = {m.path for m in mods.values() if m.style}
+    for p in plan.params:
+        lay = parse_layout(p.layout)
+        if lay.kind == "R":
+            continue
+        owners = [_owner(n)[0] for n in [p.name, *p.aliases]]
+        if not any(o in exported for o in owners) and not any(i.module in owners for i in issues):
+            issues.append(ExportIssue(owners[0], p.layout, f"parameter {p.name} is split but no exported "
+                                      "module owns it"))
+    return mods, issues
+
+
+def _check_module_type(model, m: _Module, issues: list) -> None:
+    import torch.nn as nn
+    try:
+        mod = model.get_submodule(m.path)
+    except AttributeError:
+        issues.append(ExportIssue(m.path, "-", "no such module in the model"))
+        m.style = None
+        return
+    want = nn.Embedding if m.style == "embedding" else nn.Linear
+    if not isinstance(mod, want):
+        issues.append(ExportIssue(m.path, m.params["weight"].layout,
+                                  f"{type(mod).__name__} is not an nn.{want.__name__}: the style cannot "
+                                  "shard it"))
+        m.style = None
+
+
+def export_issues(plan, target: str = "dtensor", model=None) -> list[ExportIssue]:
+    """What cannot be exported (``fatal``) and what exports with a difference (notes)."""
+    if target not in ("dtensor", "hf"):
+        raise ValueError(f"target must be 'dtensor' or 'hf', not {target!r}")
+    return _analyse(plan, target, model)[1]
+
+
+def _raise(issues: list[ExportIssue], target: str) -> None:
+    fatal = [i for i in issues if i.fatal]
+    if not fatal:
+        return
+    name = "DTensor parallel styles" if target == "dtensor" else "Hugging Face tp_plan strings"
+    raise LayoutError(
+        f"{len(fatal)} layout{'s' if len(fatal) != 1 else ''} of the plan cannot be expressed as {name}:\n"
+        + "\n".join(f"    {i}" for i in fatal),
+        where=", ".join(dict.fromkeys(i.module or "(model)" for i in fatal)),
+        fix="run the model with shardplan.parallelize() instead, or change the model so these layers "
+            "are plain nn.Linear / nn.Embedding with unfused weights (e.g. separate q/k/v projections)")
+
+
+def to_dtensor_plan(plan, *, local_output: bool = True, model=None) -> dict:
+    """``{module FQN: ParallelStyle}`` for ``parallelize_module(model, mesh, ...)``.
+
+    ``local_output=True`` (the default, as in torchtitan) hands plain local tensors
+    from column-parallel layers to the model's code: head counts the model reads
+    from attributes must then be divided by tp (``attn.n_heads //= tp``). With
+    ``local_output=False`` they stay DTensors with global shapes, so the model's
+    code needs no change, but every op between a column and a row layer must have
+    a DTensor sharding rule (on CPU: run attention under
+    ``sdpa_kernel(SDPBackend.MATH)`` and ``implicit_replication()``).
+
+    ``model`` (optional) is checked: every styled module must be an ``nn.Linear``
+    (``nn.Embedding`` for the vocabulary). Raises ``LayoutError`` for layouts with
+    no DTensor style (see ``export_issues``).
+    """
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    mods, issues = _analyse(plan, "dtensor", model)
+    _raise(issues, "dtensor")
+    out = {}
+    for m in mods.values():
+        if m.style == "column":
+            out[m.path] = ColwiseParallel(use_local_output=local_output)
+        elif m.style == "column_gather":
+            out[m.path] = ColwiseParallel(output_layouts=Replicate())
+        elif m.style == "row":
+            out[m.path] = RowwiseParallel()
+        elif m.style == "embedding":
+            out[m.path] = RowwiseParallel(input_layouts=Replicate())
+    return out
+
+
+_HF_STYLE = {"column": "colwise", "column_gather": "colwise_gather_output", "row": "rowwise",
+             "embedding": "embedding_rowwise", "packed_column": "packed_colwise",
+             "packed_row": "packed_rowwise"}
+
+
+def to_hf_tp_plan(plan, *, prefix: str | None = None, model=None) -> dict[str, str]:
+    """Hugging Face ``tp_plan`` strings keyed by module path, ``*`` for block indices.
+
+    Keys are relative to the model the plan was made for (compare with an HF
+    model's ``model.tp_plan``). ``prefix="model"`` keeps only modules under
+    ``model.`` with that prefix removed (compare with ``config.base_model_tp_plan``).
+    A pattern is used only where every block of the list gets the same string;
+    otherwise each block is listed by its index.
+    """
+    mods, issues = _analyse(plan, "hf", model)
+    _raise(issues, "hf")
+    styles = {m.path: _HF_STYLE[m.style] for m in mods.values() if m.style}
+    # every module path the plan knows, to check a pattern covers all blocks alike
+    known: set[str] = set()
+    for p in plan.params:
+        for n in [p.name, *p.aliases]:
+            mod = _owner(n)[0]
+            while mod:
+                known.add(mod)
+                mod = mod.rpartition(".")[0]
+    known |= {d.module for d in plan.decisions}
+    by_pattern: OrderedDict = OrderedDict()
+    for path in styles:
+        by_pattern.setdefault(_INDEX.sub(".*", path), []).append(path)
+    out: dict[str, str] = {}
+    for pattern, paths in by_pattern.items():
+        rx = re.compile("^" + re.escape(pattern).replace(r"\*", r"\d+") + "$")
+        instances = [k for k in known if rx.match(k)]
+        values = {styles.get(k) for k in instances}
+        if pattern != paths[0] and len(values) == 1 and len(instances) > 1:
+            out[pattern] = styles[paths[0]]
+        else:
+            out.update((p, styles[p]) for p in paths)
+    if prefix:
+        head = prefix.rstrip(".") + "."
+        out = {k[len(head):]: v for k, v in out.items() if k.startswith(head)}
+    return out
+
+
+def parallelize_with_dtensor(model, mesh, plan, *, local_output: bool = True):
+    """``parallelize_module(model, mesh, to_dtensor_plan(plan))``, then tie again the
+    weights the plan lists as aliases (parallelize_module makes a new parameter per module)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    styles = to_dtensor_plan(plan, local_output=local_output, model=model)
+    parallelize_module(model, mesh, styles)
+    for p in plan.params:
+        if not p.aliases:
+            continue
+        canonical = model.get_parameter(p.name)
+        for alias in p.aliases:
+            mod, attr = _owner(alias)
+            owner = model.get_submodule(mod)
+            current = getattr(owner, attr)
+            if current is canonical:
+                continue
+            if getattr(current, "placements", None) != getattr(canonical, "placements", None):
+                raise LayoutError(f"tied weights {p.name} and {alias} were placed differently "
+                                  f"({getattr(canonical, 'placements', None)} vs "
+                                  f"{getattr(current, 'placements', None)})", where=alias,
+                                  fix="give both modules styles that shard the weight the same way")
+            setattr(owner, attr, canonical)
+    return model

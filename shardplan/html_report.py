@@ -1,0 +1,848 @@
+"""The plan as one self-contained HTML page: the model drawn as blocks.
+
+``render_html(plan)`` returns a single HTML document (inline CSS and JS, no
+network, no external fonts) that shows:
+
+- the warnings, first;
+- per-rank parameter memory as a bar against the unsharded model, split by
+  layout;
+- the communication per step, grouped like the text report;
+- the model as nested blocks by module path, identical consecutive blocks of
+  a list drawn once ("layers 0–79 ×80"), every parameter coloured by its
+  layout (replicated / column / row / vocab) with a small glyph of what rank 0
+  holds, every decision's output layout (partial sums in their own colour),
+  and the communication points between the blocks (f before a region, g
+  after it) with kind, direction and bytes;
+- the rule behind each decision on hover (``title``) and, on click, in a
+  details panel.
+
+The page works without JavaScript (everything but the details panel is
+static HTML); the script only adds the panel, legend filtering, and marks the
+document ``data-rendered="1"`` once it ran (``window.onerror`` writes any
+script error into a ``#js-error`` element: tests look for both).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+
+from .report import human
+
+__all__ = ["render_html", "parse_layout", "ParsedLayout", "CATEGORIES"]
+
+#: layout categories, in legend order: (key, label, colour, explanation)
+CATEGORIES = [
+    ("replicated", "replicated", "#94a3b8", "every rank holds the whole tensor (R)"),
+    ("column", "column", "#3b82f6", "split on the output features: weight S(0), output S(-1)"),
+    ("row", "row", "#f59e0b", "split on the input features: weight S(1), output a partial sum"),
+    ("vocab", "vocab", "#8b5cf6", "split along the vocabulary (embedding, LM head, loss)"),
+    ("partial", "partial", "#e11d48", "every rank holds a summand; g all-reduces it"),
+]
+_COLOUR = {k: c for k, _, c, _ in CATEGORIES}
+_BLOCK_INDEX = re.compile(r"^\d+$")
+
+
+# --------------------------------------------------------------------------- layouts
+
+@dataclass(frozen=True)
+class ParsedLayout:
+    """A layout string ("R", "P", "S(0)", "S(0|32+32+32)", "S(0|pad50260)", "S(0|x2)") as parts."""
+
+    kind: str  # "R" | "P" | "S" | "?"
+    dim: int | None = None
+    blocks: tuple[int, ...] | None = None
+    padded: int | None = None
+    replicas: int = 1
+    text: str = ""
+
+
+_SHARD = re.compile(r"^S\((-?\d+)((?:\|[^|)]*)*)\)$")
+
+
+def parse_layout(text: str) -> ParsedLayout:
+    """Parse a ``Plan`` layout string; unknown forms give ``kind="?"`` (never raise)."""
+    text = text.strip()
+    if text in ("R", "P"):
+        return ParsedLayout(text, text=text)
+    m = _SHARD.match(text)
+    if not m:
+        return ParsedLayout("?", text=text)
+    blocks, padded, replicas = None, None, 1
+    for part in filter(None, m.group(2).split("|")):
+        if part.startswith("pad") and part[3:].isdigit():
+            padded = int(part[3:])
+        elif part.startswith("x") and part[1:].isdigit():
+            replicas = int(part[1:])
+        elif re.fullmatch(r"\d+(\+\d+)*", part):
+            blocks = tuple(int(b) for b in part.split("+"))
+        else:
+            return ParsedLayout("?", text=text)
+    return ParsedLayout("S", int(m.group(1)), blocks, padded, replicas, text)
+
+
+def describe_layout(text: str) -> str:
+    """A layout string in words."""
+    lay = parse_layout(text)
+    if lay.kind == "R":
+        return "replicated: every rank holds the whole tensor"
+    if lay.kind == "P":
+        return "partial: every rank holds a summand, the sum is the value"
+    if lay.kind != "S":
+        return text
+    words = f"split on dim {lay.dim}"
+    if lay.blocks:
+        words += f", by blocks {'+'.join(map(str, lay.blocks))} (each rank holds its slice of every block)"
+    if lay.padded:
+        words += f", padded to {lay.padded}"
+    if lay.replicas > 1:
+        words += f", each part held by {lay.replicas} ranks"
+    return words
+
+
+# --------------------------------------------------------------------------- the module tree
+
+@dataclass
+class _Node:
+    name: str
+    path: str  # FQN of the (first) module this node stands for; "" for the model
+    children: OrderedDict = field(default_factory=OrderedDict)
+    params: list = field(default_factory=list)  # (short name, ParamEntry, alias_of | None)
+    decisions: list = field(default_factory=list)
+    collectives: list = field(default_factory=list)
+    count: int = 1  # >1: identical consecutive blocks drawn once
+    first: int | None = None
+    last: int | None = None
+    listname: str | None = None
+
+    def child(self, name: str) -> _Node:
+        if name not in self.children:
+            self.children[name] = _Node(name, f"{self.path}.{name}" if self.path else name)
+        return self.children[name]
+
+    @property
+    def own(self) -> bool:
+        return bool(self.params or self.decisions)
+
+
+def _module_of_param(name: str) -> str:
+    return name.rpartition(".")[0]
+
+
+def _build_tree(plan) -> _Node:
+    root = _Node("", "")
+
+    def node(path: str) -> _Node:
+        n = root
+        for part in filter(None, path.split(".")):
+            n = n.child(part)
+        return n
+
+    for p in plan.params:
+        node(_module_of_param(p.name)).params.append((p.name.rpartition(".")[2], p, None))
+    for p in plan.params:
+        for a in p.aliases:
+            node(_module_of_param(a)).params.append((a.rpartition(".")[2], p, p.name))
+    for d in plan.decisions:
+        node(d.module).decisions.append(d)
+    for c in plan.collectives:
+        node(c.module).collectives.append(c)
+    _collapse(root)
+    return root
+
+
+def _norm_rule(rule: str) -> str:
+    """A rule's text without block indices and graph node numbers (for block identity)."""
+    rule = re.sub(r"\.\d+\b", ".#", rule)
+    return re.sub(r"\b([A-Za-z][A-Za-z_]*?)_\d+\b", r"\1", rule)
+
+
+def _signature(n: _Node):
+    return (
+        tuple((s, p.layout, tuple(p.global_shape), tuple(p.local_shape), p.dtype, a is not None)
+              for s, p, a in n.params),
+        tuple((d.role, d.layout, _norm_rule(d.rule)) for d in n.decisions),
+        tuple(sorted((c.kind, c.direction, c.purpose, c.bytes) for c in n.collectives)),
+        tuple((k, _signature(v)) for k, v in n.children.items()),
+    )
+
+
+def _collapse(n: _Node) -> None:
+    for c in n.children.values():
+        _collapse(c)
+    keys = list(n.children)
+    if not keys or not all(_BLOCK_INDEX.match(k) for k in keys):
+        return
+    runs: list[list] = []  # [first key, last index, signature, node, count]
+    for k in keys:
+        child, idx = n.children[k], int(k)
+        sig = _signature(child)
+        if runs and runs[-1][2] == sig and idx == runs[-1][1] + 1:
+            runs[-1][1] = idx
+            runs[-1][4] += 1
+        else:
+            runs.append([idx, idx, sig, child, 1])
+    out = OrderedDict()
+    for first, last, _, child, count in runs:
+        child.first, child.last, child.count, child.listname = first, last, count, n.name
+        out[str(first)] = child
+    n.children = out
+
+
+# --------------------------------------------------------------------------- categories
+
+class _Colours:
+    """Which layout category each parameter and decision falls in."""
+
+    def __init__(self, plan):
+        self.roles: dict[str, set] = {}
+        for d in plan.decisions:
+            self.roles.setdefault(d.module, set()).add(d.role)
+        # an LM head: a column module whose output is gathered (or the loss's logits) with
+        # the vocabulary's size on its split dim
+        self.heads = {c.module for c in plan.collectives if c.purpose == "gather_output"}
+        self.vocab_sizes = set()
+        for p in plan.params:
+            mods = [_module_of_param(p.name)] + [_module_of_param(a) for a in p.aliases]
+            if any("vocab_embedding" in self.roles.get(m, ()) for m in mods) and p.global_shape:
+                self.vocab_sizes.add(p.global_shape[0])
+        self.param_cat = {p.name: self._param(p) for p in plan.params}
+
+    def _param(self, p) -> str:
+        lay = parse_layout(p.layout)
+        if lay.kind != "S":
+            return "replicated" if lay.kind == "R" else "partial"
+        mods = [_module_of_param(p.name)] + [_module_of_param(a) for a in p.aliases]
+        roles = set().union(*(self.roles.get(m, set()) for m in mods))
+        dim = lay.dim if lay.dim >= 0 else lay.dim + len(p.global_shape)
+        if lay.padded or roles & {"vocab_embedding", "vocab_loss"}:
+            return "vocab"
+        if ("column" in roles and set(mods) & self.heads and p.global_shape
+                and p.global_shape[dim] in self.vocab_sizes):
+            return "vocab"
+        if roles & {"row", "partial"} and not (roles & {"column"}):
+            return "row"
+        if "column" in roles and not roles & {"row", "partial"}:
+            return "column"
+        return "column" if dim == 0 else "row"
+
+    def module(self, path: str, params) -> str:
+        roles = self.roles.get(path, set())
+        if roles & {"vocab_embedding", "vocab_loss"}:
+            return "vocab"
+        if "column" in roles:
+            cats = {self.param_cat.get(p.name) for _, p, _ in params}
+            return "vocab" if "vocab" in cats else "column"
+        if roles & {"row", "partial"}:
+            return "row"
+        if roles == {"replicated"}:
+            return "replicated"
+        cats = [self.param_cat.get(p.name) for _, p, _ in params]
+        return next((c for c in ("vocab", "column", "row") if c in cats), "replicated")
+
+    @staticmethod
+    def output(d, module_cat: str) -> str:
+        lay = parse_layout(d.layout)
+        if lay.kind == "P":
+            return "partial"
+        if lay.kind == "R":
+            return "replicated"
+        return "vocab" if module_cat == "vocab" or lay.padded else "column"
+
+
+# --------------------------------------------------------------------------- pieces
+
+def _e(s) -> str:
+    return html.escape(str(s), quote=True)
+
+
+def _shape(s) -> str:
+    return "(" + ", ".join(map(str, s)) + ")" if len(s) != 1 else f"({s[0]},)"
+
+
+def _glyph(p, cat: str, tp: int) -> str:
+    """A tiny SVG of the tensor: the part rank 0 holds filled, the other ranks' parts tinted."""
+    lay = parse_layout(p.layout)
+    colour = _COLOUR[cat]
+    two_d = len(p.global_shape) >= 2
+    W, H = (30, 22) if two_d else (30, 8)
+    out = [f'<svg class="glyph" width="{W}" height="{H}" viewBox="0 0 {W} {H}" aria-hidden="true">']
+    if lay.kind != "S":
+        out.append(f'<rect x="0.5" y="0.5" width="{W - 1}" height="{H - 1}" rx="2" fill="{colour}" '
+                   f'fill-opacity="0.85"/>')
+    else:
+        ndim = len(p.global_shape)
+        dim = lay.dim + ndim if lay.dim < 0 else lay.dim
+        # which screen axis the sharded dim runs along: rows (vertical) for dim 0 of a matrix
+        vertical = two_d and dim == ndim - 2
+        full = lay.padded or (p.global_shape[dim] if p.global_shape else 1)
+        segments = list(lay.blocks) if lay.blocks else [full]
+        parts = max(1, tp // max(lay.replicas, 1))
+        span = H - 1 if vertical else W - 1
+        pos = 0.5
+        total = float(sum(segments)) or 1.0
+        out.append(f'<rect x="0.5" y="0.5" width="{W - 1}" height="{H - 1}" rx="2" fill="{colour}" '
+                   f'fill-opacity="0.16" stroke="{colour}" stroke-opacity="0.5" stroke-width="0.6"/>')
+        for k_seg, seg in enumerate(segments):
+            seg_len = span * seg / total
+            piece = seg_len / parts
+            if vertical:
+                out.append(f'<rect x="0.5" y="{pos:.2f}" width="{W - 1}" height="{piece:.2f}" '
+                           f'fill="{colour}"/>')
+            else:
+                out.append(f'<rect x="{pos:.2f}" y="0.5" width="{piece:.2f}" height="{H - 1}" '
+                           f'fill="{colour}"/>')
+            if parts <= 16:
+                for k in range(1, parts):
+                    q = pos + k * piece
+                    if vertical:
+                        out.append(f'<line x1="0.5" x2="{W - 0.5}" y1="{q:.2f}" y2="{q:.2f}" '
+                                   f'stroke="{colour}" stroke-opacity="0.45" stroke-width="0.4"/>')
+                    else:
+                        out.append(f'<line y1="0.5" y2="{H - 0.5}" x1="{q:.2f}" x2="{q:.2f}" '
+                                   f'stroke="{colour}" stroke-opacity="0.45" stroke-width="0.4"/>')
+            pos += seg_len
+            if k_seg < len(segments) - 1:
+                if vertical:
+                    out.append(f'<line x1="0" x2="{W}" y1="{pos:.2f}" y2="{pos:.2f}" stroke="#0f172a" '
+                               f'stroke-width="0.8"/>')
+                else:
+                    out.append(f'<line y1="0" y2="{H}" x1="{pos:.2f}" x2="{pos:.2f}" stroke="#0f172a" '
+                               f'stroke-width="0.8"/>')
+    out.append("</svg>")
+    return "".join(out)
+
+
+_PURPOSE = {
+    "f": ("f", "region entry: identity forward, all-reduce of the gradient backward"),
+    "g": ("g", "region exit: all-reduce of the partial sums forward, identity backward"),
+    "gather_output": ("gather", "all-gather of the split output (the full logits)"),
+    "vocab_loss": ("loss", "vocab-parallel cross-entropy: max, sum-exp and target logit"),
+    "replica_grad": ("grad", "sum of gradients over ranks holding the same part"),
+}
+
+
+class _Page:
+    def __init__(self, plan):
+        self.plan = plan
+        self.colours = _Colours(plan)
+        self.details: dict[str, dict] = {}
+        self.ids = 0
+
+    # ------------------------------------------------------------------ details data
+    def _detail_id(self, data: dict) -> str:
+        self.ids += 1
+        key = f"d{self.ids}"
+        self.details[key] = data
+        return key
+
+    # ------------------------------------------------------------------ header parts
+    def warnings(self) -> str:
+        ws = self.plan.warnings
+        if not ws:
+            return ('<section id="warnings" class="warnings ok" data-count="0">'
+                    '<strong>No warnings.</strong> Every region the rules could place is sharded.'
+                    '</section>')
+        items = "".join(f'<li class="warning">{_e(w)}</li>' for w in ws)
+        return (f'<section id="warnings" class="warnings bad" data-count="{len(ws)}">'
+                f'<h2>⚠ {len(ws)} warning{"s" if len(ws) != 1 else ""}</h2><ul>{items}</ul></section>')
+
+    def memory(self) -> str:
+        m = self.plan.memory
+        total = max(m.param_bytes_unsharded, 1)
+        by_cat = Counter()
+        for p in self.plan.params:
+            by_cat[self.colours.param_cat[p.name]] += p.bytes_per_rank
+        segs, keys = [], []
+        for k, label, colour, _ in CATEGORIES:
+            b = by_cat.get(k, 0)
+            if not b:
+                continue
+            pct = 100.0 * b / total
+            segs.append(f'<div class="seg" style="width:{pct:.4f}%;background:{colour}" '
+                        f'title="{_e(label)}: {_e(human(b))} per rank"></div>')
+            keys.append(f'<span class="memkey"><i style="background:{colour}"></i>{_e(label)} '
+                        f'{_e(human(b))}</span>')
+        ratio = m.param_bytes_per_rank / total
+        saved = m.param_bytes_unsharded - m.param_bytes_per_rank
+        return (
+            '<section id="memory" class="card">'
+            '<h2>Parameters per rank</h2>'
+            f'<div class="big">{_e(human(m.param_bytes_per_rank))} '
+            f'<span class="muted">of {_e(human(m.param_bytes_unsharded))} unsharded '
+            f'({ratio:.1%})</span></div>'
+            f'<div class="membar" role="img" aria-label="per-rank parameter memory {ratio:.1%} of unsharded" '
+            f'data-per-rank="{m.param_bytes_per_rank}" data-unsharded="{m.param_bytes_unsharded}">'
+            f'{"".join(segs)}<div class="seg saved" style="flex:1" '
+            f'title="not held by this rank: {_e(human(saved))}"></div></div>'
+            '<div class="memscale"><span>0</span><span>unsharded model</span></div>'
+            f'<div class="memkeys">{"".join(keys)}<span class="memkey"><i class="savedkey"></i>'
+            f'held by other ranks {_e(human(saved))}</span></div>'
+            '</section>')
+
+    def communication(self) -> str:
+        groups, nbytes = Counter(), Counter()
+        for c in self.plan.collectives:
+            key = (c.direction, c.kind, c.purpose, c.elements_per_token)
+            groups[key] += 1
+            nbytes[key] += c.bytes
+        rows = []
+        for key in sorted(groups):
+            direction, kind, purpose, per_tok = key
+            short = _PURPOSE.get(purpose, (purpose, purpose))
+            rows.append(
+                f'<tr class="comm-row" data-purpose="{_e(purpose)}" title="{_e(short[1])}">'
+                f'<td><span class="cpill {_e(purpose)}">{_e(short[0])}</span></td>'
+                f'<td>{_e(direction)}</td><td>{groups[key]} × {_e(kind)}</td>'
+                f'<td class="num">{per_tok:,.1f}</td><td class="num">{_e(human(nbytes[key]))}</td></tr>')
+        total = sum(c.bytes for c in self.plan.collectives)
+        return (
+            '<section id="communication" class="card">'
+            '<h2>Communication per training step</h2>'
+            f'<div class="muted small">example inputs: {self.plan.tokens} tokens; bytes scale with tokens</div>'
+            '<table class="comm"><thead><tr><th></th><th>direction</th><th>collectives</th>'
+            '<th class="num">elements/token</th><th class="num">bytes</th></tr></thead>'
+            f'<tbody>{"".join(rows)}</tbody>'
+            f'<tfoot><tr><td></td><td colspan="2">{len(self.plan.collectives)} collectives</td>'
+            f'<td></td><td class="num">{_e(human(total))}</td></tr></tfoot></table>'
+            '</section>')
+
+    @staticmethod
+    def legend() -> str:
+        items = "".join(
+            f'<button type="button" class="legend-item" data-cat="{k}" title="{_e(why)}">'
+            f'<i style="background:{c}"></i>{_e(label)}</button>'
+            for k, label, c, why in CATEGORIES)
+        comm = ('<span class="legend-item static" title="f: backward all-reduce where a region starts">'
+                '<span class="cpill f">f</span> before a region</span>'
+                '<span class="legend-item static" title="g: forward all-reduce where a region ends">'
+                '<span class="cpill g">g</span> after a region</span>')
+        return (f'<section id="legend" class="legend"><span class="legend-title">Layout</span>{items}'
+                f'<span class="legend-title">Communication</span>{comm}</section>')
+
+    # ------------------------------------------------------------------ the blocks
+    def blocks(self, root: _Node) -> str:
+        inner = "".join(self._node(c, 0) for c in root.children.values())
+        if root.own or root.collectives:
+            inner += ('<div class="mod top"><div class="modtitle">model level '
+                      '<span class="muted">(outside any submodule)</span></div>'
+                      f'{self._own(root) if root.own else ""}{self._markers(root)}</div>')
+        return f'<section id="blocks" class="blocks">{inner}</section>'
+
+    def _title(self, n: _Node) -> str:
+        if n.count > 1:
+            return (f'<span class="name">{_e(n.listname)} {n.first}–{n.last}</span>'
+                    f'<span class="times" title="{n.count} identical blocks drawn once">×{n.count}</span>')
+        if n.first is not None and n.listname is not None:
+            return f'<span class="name">{_e(n.listname)} {n.first}</span>'
+        return f'<span class="name">{_e(n.name)}</span>'
+
+    def _node(self, n: _Node, depth: int) -> str:
+        # a list of blocks: draw its (collapsed) children directly
+        if n.children and all(c.listname == n.name and c.first is not None
+                              for c in n.children.values()) and not n.own:
+            return "".join(self._node(c, depth) for c in n.children.values()) + self._markers(n)
+        if not n.children:
+            return self._own(n) + self._markers(n)
+        cls = "mod repeated" if n.count > 1 else "mod"
+        attrs = f' data-path="{_e(n.path)}"'
+        if n.count > 1:
+            attrs += f' data-count="{n.count}" data-first="{n.first}" data-last="{n.last}"'
+        body = (self._own(n) if n.own else "") + "".join(
+            self._node(c, depth + 1) for c in n.children.values())
+        return (f'<div class="{cls} depth{min(depth, 3)}"{attrs}>'
+                f'<div class="modtitle">{self._title(n)}'
+                f'{self._path_span(n)}</div>'
+                f'{body}{self._markers(n)}</div>')
+
+    def _path_span(self, n: _Node) -> str:
+        shown = self._display_path(n)
+        return "" if shown == n.name else f'<span class="path muted">{_e(shown)}</span>'
+
+    def _display_path(self, n: _Node) -> str:
+        """The FQN with the index range of every collapsed block above: layers.{0–79}.attention."""
+        return self._display.get(id(n), n.path)
+
+    def _own(self, n: _Node) -> str:
+        cat = self.colours.module(n.path, n.params)
+        roles = sorted({d.role for d in n.decisions})
+        rules = "; ".join(dict.fromkeys(d.rule for d in n.decisions)) or "no decision (replicated)"
+        role_txt = ", ".join(roles) if roles else "replicated"
+        if cat == "vocab" and roles == ["column"]:
+            role_txt = "column · vocab"
+        chips = []
+        for short, p, alias_of in n.params:
+            pcat = self.colours.param_cat[p.name]
+            tied = f" (tied to {alias_of})" if alias_of else ""
+            tip = (f"{short}{tied}: {p.layout} — {describe_layout(p.layout)}\n"
+                   f"global {_shape(p.global_shape)} → rank-local {_shape(p.local_shape)}, "
+                   f"{human(p.bytes_per_rank)} per rank ({p.dtype})\nrule: {p.rule}")
+            chips.append(
+                f'<span class="chip param cat-{pcat}" data-cat="{pcat}" data-layout="{_e(p.layout)}" '
+                f'title="{_e(tip)}">{_glyph(p, pcat, self.plan.tp)}'
+                f'<span class="pname">{_e(short)}{"<sup>tied</sup>" if alias_of else ""}</span>'
+                f'<span class="lay" style="color:{_COLOUR[pcat]}">{_e(p.layout)}</span>'
+                f'<span class="shape">{_e(_shape(p.global_shape))} → {_e(_shape(p.local_shape))}</span>'
+                '</span>')
+        outs = []
+        for d in n.decisions:
+            ocat = _Colours.output(d, cat)
+            outs.append(
+                f'<span class="chip out cat-{ocat}" data-cat="{ocat}" '
+                f'title="{_e(f"output {d.layout}: {describe_layout(d.layout)}; rule: {d.rule}")}">'
+                f'<span class="arrow">→</span><span class="lay" style="color:{_COLOUR[ocat]}">'
+                f'{_e(d.layout)}</span></span>')
+        data = {
+            "title": self._display_path(n) or "(model)",
+            "category": cat,
+            "count": n.count if n.count > 1 else self._count_above(n),
+            "decisions": [{"node": d.node, "role": d.role, "layout": d.layout,
+                           "layout_words": describe_layout(d.layout), "rule": d.rule,
+                           "evidence": d.evidence, "source": d.source} for d in n.decisions],
+            "params": [{"name": short, "full": p.name, "tied_to": alias_of, "layout": p.layout,
+                        "layout_words": describe_layout(p.layout), "category": self.colours.param_cat[p.name],
+                        "global": p.global_shape, "local": p.local_shape, "dtype": p.dtype,
+                        "bytes": human(p.bytes_per_rank), "rule": p.rule} for short, p, alias_of in n.params],
+            "collectives": [self._coll_data(c) for c in n.collectives],
+        }
+        did = self._detail_id(data)
+        tip = f"{self._display_path(n) or '(model)'} — {role_txt}\nrule: {rules}\n(click for details)"
+        return (f'<div class="row cat-{cat}" data-cat="{cat}" data-role="{_e(role_txt)}" '
+                f'data-detail="{did}" data-path="{_e(n.path)}" tabindex="0" title="{_e(tip)}">'
+                f'<div class="rowhead"><span class="rname">{_e(n.name or "(model)")}</span>'
+                f'<span class="role" style="background:{_COLOUR[cat]}">{_e(role_txt)}</span></div>'
+                f'<div class="chips">{"".join(chips)}{"".join(outs)}</div></div>')
+
+    def _count_above(self, n: _Node) -> int:
+        return self._counts.get(id(n), 1)
+
+    @staticmethod
+    def _coll_data(c) -> dict:
+        return {"kind": c.kind, "direction": c.direction, "purpose": c.purpose, "elements": c.elements,
+                "bytes": human(c.bytes), "node": c.node, "source": c.source}
+
+    def _markers(self, n: _Node) -> str:
+        if not n.collectives:
+            return ""
+        groups: OrderedDict = OrderedDict()
+        for c in n.collectives:
+            groups.setdefault((c.purpose, c.kind, c.direction), []).append(c)
+        mult = self._count_above(n)
+        out = []
+        for (purpose, kind, direction), cs in groups.items():
+            short, why = _PURPOSE.get(purpose, (purpose, purpose))
+            b = sum(c.bytes for c in cs)
+            times = f"{len(cs)} × " if len(cs) > 1 else ""
+            total = (f'<span class="muted"> · ×{mult} blocks = {_e(human(b * mult))}</span>'
+                     if mult > 1 else "")
+            place = {"f": "before the region", "g": "after the region"}.get(purpose, "")
+            tip = f"{purpose}: {why}\n{times}{kind} {direction}, {human(b)}" + (
+                f"\nsource: {cs[0].source}" if cs[0].source else "")
+            did = self._detail_id({"title": f"{short} at {self._display_path(n) or '(model)'}", "category": "comm",
+                                   "count": mult, "decisions": [], "params": [],
+                                   "collectives": [self._coll_data(c) for c in cs],
+                                   "note": f"{purpose}: {why}"})
+            out.append(
+                f'<div class="comm-point {_e(purpose)}" data-purpose="{_e(purpose)}" data-kind="{_e(kind)}" '
+                f'data-direction="{_e(direction)}" data-bytes="{b}" data-detail="{did}" tabindex="0" '
+                f'title="{_e(tip)}"><span class="line"></span><span class="cpill {_e(purpose)}">{_e(short)}'
+                f'</span><span class="ctext">{times}{_e(kind)} · {_e(direction)} · <b>{_e(human(b))}</b>'
+                f'{total}</span><span class="place muted">{_e(place)}</span><span class="line"></span></div>')
+        return "".join(out)
+
+    def _multiplicities(self, root: _Node) -> None:
+        self._counts: dict[int, int] = {}
+        self._display: dict[int, str] = {}
+
+        def walk(n: _Node, mult: int, prefix: str):
+            mult = mult * n.count
+            self._counts[id(n)] = mult
+            part = f"{{{n.first}–{n.last}}}" if n.count > 1 else n.name
+            shown = f"{prefix}.{part}" if prefix and part else prefix or part
+            self._display[id(n)] = shown
+            for c in n.children.values():
+                walk(c, mult, shown)
+        walk(root, 1, "")
+
+    # ------------------------------------------------------------------ page
+    def render(self) -> str:
+        plan = self.plan
+        root = _build_tree(plan)
+        self._multiplicities(root)
+        blocks = self.blocks(root)
+        repeated = "".join(
+            f'<span class="tag" title="captured {a} blocks, decisions stamped onto all {b}">'
+            f'{_e(k)}: planned once for {b} blocks</span>' for k, (a, b) in plan.repeated.items())
+        data = json.dumps({"details": self.details, "colours": _COLOUR,
+                           "model": plan.model, "tp": plan.tp}, separators=(",", ":"))
+        data = data.replace("</", "<\\/").replace("<!--", "<\\!--")
+        return _TEMPLATE.format(
+            title=_e(f"shardplan: {plan.model} at tp={plan.tp}"),
+            css=_CSS, js=_JS, data=data,
+            model=_e(plan.model), tp=plan.tp, rules=_e(plan.rules), tokens=plan.tokens,
+            nparams=len(plan.params), ncoll=len(plan.collectives), ndec=len(plan.decisions),
+            schema=plan.schema_version, repeated=repeated,
+            warnings=self.warnings(), memory=self.memory(), communication=self.communication(),
+            legend=self.legend(), blocks=blocks)
+
+
+def render_html(plan) -> str:
+    """One self-contained HTML page drawing ``plan`` (a ``shardplan.Plan``)."""
+    return _Page(plan).render()
+
+
+# --------------------------------------------------------------------------- static parts
+
+_TEMPLATE = """<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<meta name="generator" content="shardplan">
+<title>{title}</title>
+<script>
+window.onerror = function (msg, src, line, col) {{
+  var d = document.getElementById("js-error") || document.createElement("div");
+  d.id = "js-error";
+  d.textContent = "script error: " + msg + " (line " + line + ":" + col + ")";
+  (document.body || document.documentElement).appendChild(d);
+}};
+</script>
+<style>{css}</style>
+</head>
+<body>
+<header class="top">
+  <div class="brand">shardplan</div>
+  <h1>{model} <span class="at">at tp={tp}</span></h1>
+  <div class="meta">rules <b>{rules}</b> · {tokens} tokens in the example · {nparams} parameters ·
+  {ndec} decisions · {ncoll} collectives · schema v{schema} {repeated}</div>
+</header>
+<main>
+{warnings}
+<div class="cards">{memory}{communication}</div>
+{legend}
+<div class="layout">
+  <div class="model">{blocks}</div>
+  <aside id="details" class="details"><div class="placeholder">Click a block or a communication
+  point for the rule behind it.</div></aside>
+</div>
+</main>
+<script id="plan-data" type="application/json">{data}</script>
+<script>{js}</script>
+</body>
+</html>
+"""
+
+_CSS = """
+*{box-sizing:border-box}
+:root{--ink:#0f172a;--muted:#64748b;--line:#e2e8f0;--bg:#f8fafc;--card:#fff;
+ --mono:ui-monospace,SFMono-Regular,Menlo,Consolas,"DejaVu Sans Mono","Liberation Mono",monospace}
+html,body{margin:0;background:var(--bg);color:var(--ink);
+ font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,"DejaVu Sans","Liberation Sans",Arial,sans-serif}
+header.top{padding:18px 28px 14px;background:#0f172a;color:#e2e8f0}
+header.top .brand{font:600 11px/1 var(--mono);letter-spacing:.18em;text-transform:uppercase;color:#94a3b8}
+header.top h1{margin:6px 0 4px;font-size:24px;color:#fff;font-weight:650}
+header.top h1 .at{color:#93c5fd;font-weight:500}
+header.top .meta{color:#cbd5e1;font-size:13px}
+header.top .meta b{color:#fff}
+.tag{display:inline-block;margin-left:6px;padding:1px 8px;border-radius:10px;background:#1e293b;
+ color:#cbd5e1;font-size:12px}
+main{padding:16px 28px 40px;max-width:1500px}
+h2{font-size:13px;text-transform:uppercase;letter-spacing:.06em;color:var(--muted);margin:0 0 8px;font-weight:650}
+.muted{color:var(--muted)}.small{font-size:12px}
+.warnings{border-radius:8px;padding:10px 14px;margin-bottom:14px;font-size:13px}
+.warnings.ok{background:#ecfdf5;border:1px solid #a7f3d0;color:#065f46}
+.warnings.bad{background:#fffbeb;border:1px solid #fcd34d;color:#78350f}
+.warnings.bad h2{color:#b45309}
+.warnings ul{margin:0;padding-left:18px}.warnings li{margin:2px 0;font-family:var(--mono);font-size:12px}
+.cards{display:grid;grid-template-columns:minmax(320px,1fr) minmax(380px,1.2fr);gap:14px;margin-bottom:12px}
+.card{background:var(--card);border:1px solid var(--line);border-radius:10px;padding:14px 16px;
+ box-shadow:0 1px 2px rgba(15,23,42,.04)}
+.big{font-size:22px;font-weight:650;margin-bottom:10px}.big .muted{font-size:14px;font-weight:400}
+.membar{display:flex;height:22px;border-radius:6px;overflow:hidden;border:1px solid #cbd5e1;background:#fff}
+.membar .seg{height:100%}
+.membar .seg.saved,.savedkey{background:repeating-linear-gradient(135deg,#f1f5f9 0 6px,#e2e8f0 6px 12px)}
+.memscale{display:flex;justify-content:space-between;font-size:11px;color:var(--muted);margin-top:3px}
+.memkeys{display:flex;flex-wrap:wrap;gap:4px 14px;margin-top:8px;font-size:12px}
+.memkey i,.savedkey{display:inline-block;width:10px;height:10px;border-radius:2px;margin-right:5px;vertical-align:-1px}
+table.comm{border-collapse:collapse;width:100%;font-size:13px;margin-top:6px}
+table.comm th{text-align:left;font-weight:600;color:var(--muted);font-size:12px;border-bottom:1px solid var(--line);padding:4px 6px}
+table.comm td{padding:4px 6px;border-bottom:1px solid #f1f5f9}
+table.comm tfoot td{font-weight:650;border:0}
+.num{text-align:right;font-variant-numeric:tabular-nums}
+.cpill{display:inline-block;min-width:22px;text-align:center;padding:0 7px;border-radius:10px;
+ font:600 11px/18px var(--mono);color:#fff;background:#0d9488}
+.cpill.g{background:#e11d48}.cpill.gather_output{background:#7c3aed}.cpill.vocab_loss{background:#6d28d9}
+.cpill.replica_grad{background:#0369a1}
+.legend{display:flex;flex-wrap:wrap;align-items:center;gap:6px 8px;margin:4px 0 12px;padding:8px 12px;
+ background:var(--card);border:1px solid var(--line);border-radius:10px}
+.legend-title{font-size:11px;text-transform:uppercase;letter-spacing:.06em;color:var(--muted);margin:0 4px 0 8px;font-weight:650}
+.legend-title:first-child{margin-left:0}
+.legend-item{display:inline-flex;align-items:center;gap:6px;border:1px solid var(--line);background:#fff;
+ border-radius:14px;padding:2px 10px 2px 6px;font:inherit;font-size:13px;color:var(--ink);cursor:pointer}
+.legend-item.static{cursor:default}
+.legend-item i{width:12px;height:12px;border-radius:3px;display:inline-block}
+.legend-item.active{outline:2px solid var(--ink)}
+.layout{display:grid;grid-template-columns:minmax(0,1fr) 360px;gap:14px;align-items:start}
+.blocks{display:flex;flex-direction:column;gap:6px}
+.mod{border:1px solid var(--line);border-radius:10px;background:var(--card);padding:8px 10px 10px;
+ display:flex;flex-direction:column;gap:6px}
+.mod .mod{background:#fbfdff;border-style:solid;border-color:#e8edf3}
+.mod.repeated{border:1.5px solid #94a3b8;box-shadow:4px 4px 0 -1px #fff,4px 4px 0 0 #cbd5e1,
+ 8px 8px 0 -1px #fff,8px 8px 0 0 #e2e8f0;margin-right:8px;margin-bottom:8px}
+.modtitle{display:flex;align-items:baseline;gap:8px;font-weight:650;font-size:13px}
+.modtitle .name{font-family:var(--mono)}
+.modtitle .path{font:400 11px var(--mono);margin-left:auto}
+.times{background:#0f172a;color:#fff;border-radius:10px;padding:0 8px;font:600 12px/18px var(--mono)}
+.row{display:grid;grid-template-columns:190px 1fr;gap:10px;align-items:center;border-radius:8px;
+ padding:5px 8px;border:1px solid #eef2f7;border-left:4px solid #94a3b8;background:#fff;cursor:pointer}
+.row:hover,.row:focus,.comm-point:hover,.comm-point:focus{outline:2px solid #93c5fd;outline-offset:1px}
+.row.selected,.comm-point.selected{outline:2px solid #2563eb}
+.row.cat-column{border-left-color:#3b82f6}.row.cat-row{border-left-color:#f59e0b}
+.row.cat-vocab{border-left-color:#8b5cf6}.row.cat-partial{border-left-color:#e11d48}
+.rowhead{display:flex;flex-direction:column;gap:2px;min-width:0}
+.rname{font:600 13px var(--mono);overflow:hidden;text-overflow:ellipsis;white-space:nowrap}
+.role{align-self:flex-start;color:#fff;font-size:11px;border-radius:4px;padding:0 6px;line-height:17px}
+.chips{display:flex;flex-wrap:wrap;gap:6px;align-items:center}
+.chip{display:inline-flex;align-items:center;gap:6px;border:1px solid var(--line);border-radius:7px;
+ padding:3px 8px 3px 4px;background:#fff;font-size:12px}
+.chip .glyph{flex:none}
+.chip .pname{font:600 12px var(--mono)}
+.chip sup{font-size:9px;color:#7c3aed;margin-left:2px}
+.chip .lay{font:600 12px var(--mono)}
+.chip .shape{font:11px var(--mono);color:var(--muted)}
+.chip.out{border-style:dashed;padding-left:8px}
+.chip.out .arrow{color:var(--muted)}
+.comm-point{display:flex;align-items:center;gap:8px;font-size:12px;padding:1px 4px;cursor:pointer;border-radius:6px}
+.comm-point .line{flex:1;height:0;border-top:2px dashed #99f6e4}
+.comm-point.g .line{border-top-color:#fecdd3}
+.comm-point .ctext{font-family:var(--mono);white-space:nowrap}
+.comm-point .place{font-size:11px;white-space:nowrap}
+.dim{opacity:.22}
+.details{position:sticky;top:12px;background:var(--card);border:1px solid var(--line);border-radius:10px;
+ padding:14px 16px;max-height:calc(100vh - 24px);overflow:auto;font-size:13px}
+.details .placeholder{color:var(--muted)}
+.details h3{margin:0 0 4px;font:650 14px var(--mono);word-break:break-all}
+.details h4{margin:12px 0 4px;font-size:11px;text-transform:uppercase;letter-spacing:.06em;color:var(--muted)}
+.details .kv{display:grid;grid-template-columns:70px 1fr;gap:2px 8px;margin:4px 0}
+.details .kv dt{color:var(--muted)}.details .kv dd{margin:0;word-break:break-word}
+.details code,.details .src{font-family:var(--mono);font-size:12px}
+.details .src{background:#f1f5f9;border-radius:6px;padding:6px 8px;white-space:pre-wrap;word-break:break-all;display:block}
+.details .item{border-top:1px solid #f1f5f9;padding:6px 0}
+.badge{display:inline-block;color:#fff;border-radius:4px;padding:0 6px;font-size:11px;line-height:17px}
+#js-error{position:fixed;bottom:0;left:0;right:0;background:#b91c1c;color:#fff;padding:8px 14px;font:13px var(--mono)}
+@media (max-width:1000px){.cards,.layout{grid-template-columns:1fr}.details{position:static}}
+"""
+
+_JS = r"""
+(function () {
+  "use strict";
+  var data = JSON.parse(document.getElementById("plan-data").textContent);
+  var panel = document.getElementById("details");
+  var colours = data.colours;
+  colours.comm = "#0d9488";
+
+  function el(tag, cls, text) {
+    var e = document.createElement(tag);
+    if (cls) e.className = cls;
+    if (text !== undefined && text !== null) e.textContent = String(text);
+    return e;
+  }
+  function kv(parent, pairs) {
+    var dl = el("dl", "kv");
+    pairs.forEach(function (p) {
+      if (p[1] === undefined || p[1] === null || p[1] === "") return;
+      dl.appendChild(el("dt", null, p[0]));
+      var dd = el("dd");
+      if (p[2]) { dd.appendChild(el("code", null, p[1])); } else { dd.textContent = String(p[1]); }
+      dl.appendChild(dd);
+    });
+    parent.appendChild(dl);
+  }
+  function shape(s) { return "(" + s.join(", ") + (s.length === 1 ? ",)" : ")"); }
+
+  function show(id, source) {
+    var d = data.details[id];
+    if (!d) return;
+    document.querySelectorAll(".selected").forEach(function (x) { x.classList.remove("selected"); });
+    if (source) source.classList.add("selected");
+    panel.textContent = "";
+    var card = el("div", "detail-card");
+    card.setAttribute("data-detail", id);
+    var badge = el("span", "badge", d.category === "comm" ? "communication" : d.category);
+    badge.style.background = colours[d.category] || "#64748b";
+    card.appendChild(badge);
+    card.appendChild(el("h3", null, d.title));
+    if (d.count > 1) card.appendChild(el("div", "muted", "stands for " + d.count + " identical modules"));
+    if (d.note) card.appendChild(el("p", null, d.note));
+    if (d.decisions.length) {
+      card.appendChild(el("h4", null, "decision" + (d.decisions.length > 1 ? "s" : "")));
+      d.decisions.forEach(function (x) {
+        var it = el("div", "item");
+        kv(it, [["role", x.role], ["output", x.layout + " — " + x.layout_words], ["rule", x.rule],
+                ["node", x.node, true], ["from", (x.evidence || []).join(", "), true]]);
+        if (x.source) it.appendChild(el("span", "src", x.source));
+        card.appendChild(it);
+      });
+    } else if (d.category !== "comm") {
+      card.appendChild(el("p", "muted", "No decision here: the module runs replicated."));
+    }
+    if (d.params.length) {
+      card.appendChild(el("h4", null, "parameters"));
+      d.params.forEach(function (p) {
+        var it = el("div", "item");
+        var head = el("div");
+        var b = el("span", "badge", p.layout);
+        b.style.background = colours[p.category];
+        head.appendChild(el("code", null, p.name + " "));
+        head.appendChild(b);
+        it.appendChild(head);
+        kv(it, [["layout", p.layout_words], ["shape", shape(p.global) + " → " + shape(p.local) + " per rank"],
+                ["bytes", p.bytes + " per rank (" + p.dtype + ")"], ["tied to", p.tied_to, true],
+                ["rule", p.rule]]);
+        card.appendChild(it);
+      });
+    }
+    if (d.collectives.length) {
+      card.appendChild(el("h4", null, "communication"));
+      d.collectives.forEach(function (c) {
+        var it = el("div", "item");
+        kv(it, [["what", c.purpose + ": " + c.kind + ", " + c.direction],
+                ["size", c.elements.toLocaleString() + " elements, " + c.bytes], ["node", c.node, true]]);
+        if (c.source) it.appendChild(el("span", "src", c.source));
+        card.appendChild(it);
+      });
+    }
+    panel.appendChild(card);
+  }
+
+  document.querySelectorAll("[data-detail]").forEach(function (node) {
+    node.addEventListener("click", function (ev) { ev.stopPropagation(); show(node.getAttribute("data-detail"), node); });
+    node.addEventListener("keydown", function (ev) {
+      if (ev.key === "Enter" || ev.key === " ") { ev.preventDefault(); show(node.getAttribute("data-detail"), node); }
+    });
+  });
+
+  var active = null;
+  document.querySelectorAll(".legend-item[data-cat]").forEach(function (btn) {
+    btn.addEventListener("click", function () {
+      var cat = btn.getAttribute("data-cat");
+      active = active === cat ? null : cat;
+      document.querySelectorAll(".legend-item[data-cat]").forEach(function (b) {
+        b.classList.toggle("active", b.getAttribute("data-cat") === active);
+      });
+      document.querySelectorAll(".chip[data-cat]").forEach(function (c) {
+        c.classList.toggle("dim", active !== null && c.getAttribute("data-cat") !== active);
+      });
+    });
+  });
+
+  // open with the first split decision selected, so the panel shows what a click gives
+  var first = document.querySelector(".row.cat-column[data-detail]") || document.querySelector(".row[data-detail]");
+  if (first) show(first.getAttribute("data-detail"), first);
+  document.documentElement.setAttribute("data-rendered", "1");
+})();
+"""

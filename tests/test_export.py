@@ -1,0 +1,184 @@
+"""Exporting a plan: DTensor parallel styles (run on 2 real gloo ranks) and HF tp_plan strings."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import shardplan
+from shardplan.export import export_issues, parallelize_with_dtensor, to_dtensor_plan, to_hf_tp_plan
+from shardplan.models import build
+
+VOCAB = 97  # not divisible by 2: shardplan pads, DTensor shards unevenly
+
+
+def _reference(model, idx):
+    ref = copy.deepcopy(model)
+    logits, loss = ref(idx, idx)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+    return logits.detach(), loss.detach(), grads
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _dtensor_step(ctx, model, idx, plan, family):
+    """On each rank: parallelize a copy with the exported styles, one forward/backward."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import implicit_replication
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    mesh = init_device_mesh("cpu", (ctx.world_size,))
+    m = copy.deepcopy(model)
+    if family == "gpt":
+        # the bundled GPT reads C from its (replicated) input and views q/k/v as
+        # (B, T, n_head, C // n_head): no head count fits a local C/tp tensor, so keep
+        # DTensor activations (global shapes) through attention; CPU SDPA has a DTensor
+        # rule only for the math kernel, which makes its causal mask a plain tensor
+        parallelize_with_dtensor(m, mesh, plan, local_output=False)
+        with sdpa_kernel(SDPBackend.MATH), implicit_replication():
+            logits, loss = m(idx, idx)
+            loss.backward()
+        tied = m.lm_head.weight is m.transformer.wte.weight
+    else:
+        # torchtitan's way: local tensors, and the head counts the model views with
+        # set to this rank's share (done here, not in the model)
+        parallelize_with_dtensor(m, mesh, plan)
+        for layer in m.layers:
+            layer.attention.n_heads //= ctx.world_size
+            layer.attention.n_kv_heads //= ctx.world_size
+        logits, loss = m(idx, idx)
+        loss.backward()
+        tied = None
+    grads = {n: _full(p.grad).detach().clone() for n, p in m.named_parameters()}
+    return _full(logits).detach(), _full(loss).detach(), tied, grads
+
+
+@pytest.mark.real
+@pytest.mark.timeout(240)
+def test_dtensor_plan_reproduces_unsharded_models_on_two_gloo_ranks(real_ranks):
+    torch.manual_seed(0)
+    gpt = build("gpt-tiny", fused_qkv=False, vocab_size=VOCAB)
+    llama = build("llama-tiny")
+    idx = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    for family, model in (("gpt", gpt), ("llama", llama)):
+        plan = shardplan.plan(model, 2)
+        styles = to_dtensor_plan(plan, model=model)
+        assert styles, family
+        logits, loss, grads = _reference(model, idx)
+        results = real_ranks(2).run(_dtensor_step, model, idx, plan, family)
+        for rank, (got_logits, got_loss, tied, got_grads) in enumerate(results):
+            msg = f"{family} rank {rank}"
+            torch.testing.assert_close(got_logits, logits, atol=2e-5, rtol=1e-4, msg=msg)
+            torch.testing.assert_close(got_loss, loss, atol=2e-5, rtol=1e-4, msg=msg)
+            assert tied in (True, None), msg
+            assert set(got_grads) == set(grads), msg
+            for name, g in grads.items():
+                torch.testing.assert_close(got_grads[name], g, atol=2e-5, rtol=1e-4, msg=f"{msg} {name}")
+
+
+def test_dtensor_styles_for_the_bundled_gpt():
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    model = build("gpt-tiny", fused_qkv=False, vocab_size=VOCAB, device="meta")
+    plan = shardplan.plan(model, 2)
+    styles = to_dtensor_plan(plan, model=model)
+    assert list(styles)[0] == "transformer.wte"  # in model order
+    assert isinstance(styles["transformer.wte"], RowwiseParallel)
+    assert styles["transformer.wte"].input_layouts == (Replicate(),)
+    head = styles["lm_head"]
+    assert isinstance(head, ColwiseParallel) and head.output_layouts == (Replicate(),)
+    for i in range(2):
+        for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.c_fc"):
+            s = styles[f"transformer.h.{i}.{name}"]
+            assert isinstance(s, ColwiseParallel) and s.output_layouts == (Shard(-1),)
+            assert s.use_local_output
+        for name in ("attn.c_proj", "mlp.c_proj"):
+            assert isinstance(styles[f"transformer.h.{i}.{name}"], RowwiseParallel)
+    assert len(styles) == 2 + 2 * 6
+    assert not to_dtensor_plan(plan, local_output=False)["transformer.h.0.attn.q_proj"].use_local_output
+    notes = export_issues(plan)
+    assert [i.fatal for i in notes] == [False, False]  # the padded vocabulary, embedding and head
+    assert all("padded vocabulary" in i.reason for i in notes)
+    idx = torch.zeros(2, 8, dtype=torch.long, device="meta")
+    with_loss = shardplan.plan(model, 2, example_inputs=(idx, idx))  # a vocab-parallel loss
+    assert any("loss on gathered logits" in i.reason and not i.fatal for i in export_issues(with_loss))
+    assert to_dtensor_plan(with_loss).keys() == styles.keys()
+
+
+def test_fused_qkv_cannot_be_exported_and_says_why():
+    plan = shardplan.plan(build("gpt-tiny", device="meta"), 2)
+    with pytest.raises(shardplan.LayoutError) as e:
+        to_dtensor_plan(plan)
+    text = str(e.value)
+    assert "transformer.h.0.attn.c_attn" in text and "transformer.h.1.attn.c_attn" in text
+    assert "S(0|32+32+32)" in text and "blocked" in text
+    with pytest.raises(shardplan.LayoutError, match="two equal blocks"):
+        to_hf_tp_plan(plan)
+    fatal = [i for i in export_issues(plan, "dtensor") if i.fatal]
+    assert [i.module for i in fatal] == ["transformer.h.0.attn.c_attn", "transformer.h.1.attn.c_attn"]
+
+
+def test_other_unexportable_layouts_are_named():
+    plan = shardplan.plan(build("gpt-tiny", fused_qkv=False, device="meta"), 2)
+
+    def edit(name, layout):
+        params = [p.model_copy(update={"layout": layout}) if p.name == name else p for p in plan.params]
+        return plan.model_copy(update={"params": params})
+
+    grouped = edit("transformer.h.0.attn.k_proj.weight", "S(0|x2)")
+    with pytest.raises(shardplan.LayoutError, match="group of 2 ranks"):
+        to_dtensor_plan(grouped)
+    conv1d = edit("transformer.h.0.mlp.c_fc.weight", "S(1)")
+    with pytest.raises(shardplan.LayoutError, match="Conv1D"):
+        to_hf_tp_plan(conv1d)
+    packed = edit("transformer.h.0.mlp.c_fc.weight", "S(0|64+64)")
+    packed = packed.model_copy(update={"params": [
+        p.model_copy(update={"layout": "S(0|64+64)"}) if p.name == "transformer.h.0.mlp.c_fc.bias" else p
+        for p in packed.params]})
+    hf = to_hf_tp_plan(packed)
+    assert hf["transformer.h.0.mlp.c_fc"] == "packed_colwise"
+    assert hf["transformer.h.1.mlp.c_fc"] == "colwise"  # blocks differ: listed by index
+    assert "transformer.h.*.mlp.c_fc" not in hf and hf["transformer.h.*.attn.q_proj"] == "colwise"
+    with pytest.raises(shardplan.LayoutError, match="one piece"):
+        to_dtensor_plan(packed)
+    wrong_type = build("gpt-tiny", fused_qkv=False, device="meta")
+    wrong_type.transformer.h[0].mlp.c_fc = torch.nn.Identity()
+    with pytest.raises(shardplan.LayoutError, match="Identity is not an nn.Linear"):
+        to_dtensor_plan(plan, model=wrong_type)
+
+
+def test_hf_plan_for_llama_matches_transformers_own():
+    tf = pytest.importorskip("transformers", reason="the [hf] extra is not installed")
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+
+    cfg = tf.LlamaConfig(num_hidden_layers=3, hidden_size=64, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=96, vocab_size=128,
+                         max_position_embeddings=64, use_cache=False)
+    with torch.device("meta"):
+        model = tf.LlamaForCausalLM(cfg)
+    plan = shardplan.plan(model, 2, example_inputs={
+        "input_ids": torch.zeros(2, 8, dtype=torch.long, device="meta")})
+    hf = to_hf_tp_plan(plan, model=model)
+    assert hf == model.tp_plan  # lm_head colwise_gather_output, model.embed_tokens, model.layers.*
+    base = to_hf_tp_plan(plan, prefix="model")
+    assert {k: v for k, v in base.items() if k != "embed_tokens"} == dict(cfg.base_model_tp_plan)
+    assert base["embed_tokens"] == "embedding_rowwise"
+    assert set(hf.values()) <= set(ALL_PARALLEL_STYLES.keys())
+
+
+def test_hf_plan_for_the_bundled_llama_uses_wildcards():
+    plan = shardplan.plan(build("llama-tiny", device="meta"), 2)
+    assert to_hf_tp_plan(plan) == {
+        "tok_embeddings": "embedding_rowwise",
+        "layers.*.attention.wq": "colwise", "layers.*.attention.wk": "colwise",
+        "layers.*.attention.wv": "colwise", "layers.*.attention.wo": "rowwise",
+        "layers.*.feed_forward.w1": "colwise", "layers.*.feed_forward.w3": "colwise",
+        "layers.*.feed_forward.w2": "rowwise",
+        "output": "colwise_gather_output",
+    }
