@@ -129,6 +129,11 @@ def _cmd_smoke(args) -> int:
     return smoke.main()
 
 
+def _cmd_demo(args) -> int:
+    from . import demo
+    return demo.run(demo.config_from_args(args))
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="shardplan", description="Automatic Megatron tensor parallelism for PyTorch models.",
@@ -159,6 +164,12 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("smoke", help="smoke run: train the bundled GPT at tp=2 on gloo, compare")
     s.set_defaults(run=_cmd_smoke)
+
+    from . import demo
+    m = sub.add_parser("demo", help="train the bundled GPT on text at tp=2 on gloo, check it "
+                                    "matches unsharded, write a loss plot and summary")
+    demo.add_arguments(m)
+    m.set_defaults(run=_cmd_demo)
     return ap
 
 

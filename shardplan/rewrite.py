@@ -19,8 +19,8 @@ from .capture import module_of
 from .engine import Annotation, _any_sharded, _slice_range, hint, op_name, operands, shape
 from .layouts import Partial, Replicate, Shard
 from .runtime.comm import Group
-from .runtime.graph_ops import (CopyToRegion, GatherShard, LocalShard, ReduceFromRegion,
-                                SumOverReplicas, VocabCrossEntropy, VocabLookup)
+from .runtime.graph_ops import (CopyToRegion, GatherShard, LocalShard, ModelParallelRNG,
+                                ReduceFromRegion, SumOverReplicas, VocabCrossEntropy, VocabLookup)
 
 aten = torch.ops.aten
 
@@ -82,12 +82,31 @@ class _Rewriter:
             if new is not a:
                 _replace_operand(node, path, new)
         self._rewrite_sizes(node)
+        self._model_parallel_rng(node, out)
         if out.role == "vocab_embedding":
             self._vocab_embedding(node, out)
         elif out.role == "vocab_loss":
             self._vocab_loss(node)
         elif isinstance(out.out, Partial):
             self._reduce(node, out)
+
+    def _model_parallel_rng(self, node: fx.Node, out) -> None:
+        """A random op on a sharded tensor draws from the model-parallel stream."""
+        where = self.ann.rules.strategy.random.get(op_name(node))
+        if where is None or not isinstance(out.out, Shard):
+            return
+        p = node.args[where] if len(node.args) > where else 0.0
+        train = node.args[2] if op_name(node).endswith("dropout.default") else True
+        if not p or not train:
+            return
+        mod = self._module("rng", ModelParallelRNG(node.target, self.group))
+        with self.graph.inserting_before(node):
+            new = self.graph.call_module(mod, node.args, dict(node.kwargs))
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        self.graph.erase_node(node)
+        self.ann.outcomes[new] = out
+        self.ann.layouts[new] = self.ann.layouts[node]
 
     def _f(self, a: fx.Node) -> fx.Node:
         if a not in self.f_of:

@@ -57,6 +57,7 @@ class Strategy(_Strict):
     vocab_embedding: VocabEmbedding | None = None
     vocab_loss: VocabLoss | None = None
     pad_vocabulary: bool = True
+    random: dict[str, int] = {}  # op -> position of its probability argument
 
 
 class Einsum(_Strict):

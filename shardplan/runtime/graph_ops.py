@@ -10,11 +10,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..errors import ConfigurationError
 from ..layouts import Shard
 from .comm import Group
 from .layers import check_ids, vocab_range
 from .loss import vocab_parallel_cross_entropy
 from .mappings import copy_to_region, reduce_from_region
+from .random import RNGTracker, get_rng_tracker, set_rng_tracker
 
 
 class CopyToRegion(nn.Module):
@@ -141,3 +143,27 @@ class SumOverReplicas(nn.Module):
 
     def forward(self, w):
         return _SumOverReplicas.apply(w, self.group, self.dim, self.replicas, self.site)
+
+
+class ModelParallelRNG(nn.Module):
+    """Runs one random op of a sharded region (dropout on split activations or on
+    attention probabilities) on this rank's model-parallel stream, so ranks that
+    hold different heads draw different masks, and replicated regions stay in step."""
+
+    def __init__(self, op, group: Group):
+        super().__init__()
+        self.op, self.group = op, group
+
+    def forward(self, *args, **kwargs):
+        with _tracker(self.group.rank).fork():
+            return self.op(*args, **kwargs)
+
+
+def _tracker(rank: int) -> RNGTracker:
+    """The installed tracker; one seeded from torch's initial seed if none is."""
+    try:
+        return get_rng_tracker()
+    except ConfigurationError:
+        tracker = RNGTracker(torch.initial_seed(), rank)
+        set_rng_tracker(tracker)
+        return tracker

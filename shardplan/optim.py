@@ -1,0 +1,270 @@
+"""The optimizer recipe of Megatron-LM's GPT runs, and gradient clipping that is correct under TP.
+
+    opt = build_optimizer(sharded, lr=3e-4)          # AdamW, betas (0.9, 0.95), wd 0.01
+    for step in range(total):
+        for g in opt.param_groups:
+            g["lr"] = lr_schedule(step, lr=3e-4, warmup=100, total=total, min_lr=3e-5)
+        loss.backward()
+        norm = clip_grad_norm_(sharded, 1.0, dp_group=dp)   # averages over dp, then clips
+        opt.step()
+
+**Clipping under tensor parallelism.** The global gradient norm is the norm
+of the *unsharded* model's gradient. A rank holds a slice of every sharded
+parameter's gradient and the whole of every replicated one, and a replicated
+gradient is the same on every TP rank. So each rank sums the squares of what
+it *owns* — its slices of sharded gradients, and the replicated gradients on
+TP rank 0 only (Megatron's "not a tensor-parallel duplicate") — and one
+all-reduce of that scalar over the TP group gives the square of the global
+norm, bit-identical on every rank; every rank then applies the same scale.
+A slice held by several ranks (``Shard(replicas=r)``: K/V heads fewer than
+tp) counts once, on the first rank of its replica group.
+
+**Data parallelism.** Gradients are averaged over the data-parallel group
+(``average_gradients``: one flat all-reduce per dtype and device, divided by
+the group size) before the norm is taken; afterwards every replica holds the
+same gradients, so the norm needs no reduction over data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from .errors import ConfigurationError
+from .layouts import Shard
+
+__all__ = ["build_optimizer", "param_groups", "lr_schedule", "cosine_scheduler",
+           "clip_grad_norm_", "average_gradients", "grad_norm"]
+
+
+# --------------------------------------------------------------------------
+# AdamW with Megatron's defaults
+# --------------------------------------------------------------------------
+
+def _decays(name: str, p: torch.Tensor) -> bool:
+    """Weight decay applies to matrices (linear weights, embeddings), not to biases,
+    norm weights or any other 1-D (or 0-D) parameter."""
+    return p.dim() >= 2 and not name.endswith(".bias") and name != "bias"
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Two AdamW parameter groups: ``decay`` (>= 2-D weights) and ``no_decay`` (the rest).
+
+    Only parameters that require grad; tied parameters once. Groups that
+    would be empty are left out. Each group carries its ``param_names`` (FQNs).
+    """
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():  # deduplicates tied parameters
+        if p.requires_grad:
+            (decay if _decays(name, p) else no_decay).append((name, p))
+    groups = []
+    for kind, items, wd in (("decay", decay, weight_decay), ("no_decay", no_decay, 0.0)):
+        if items:
+            groups.append({"params": [p for _, p in items], "weight_decay": wd,
+                           "param_names": [n for n, _ in items], "group": kind})
+    return groups
+
+
+def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.01,
+                    betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
+                    **kwargs) -> torch.optim.AdamW:
+    """AdamW over ``model``'s parameters (a ``ShardedModule``: this rank's shards).
+
+    The paper's recipe: betas (0.9, 0.95), eps 1e-8, weight decay 0.01 on
+    weight matrices and embeddings only — biases, norm weights and other
+    1-D parameters are not decayed (a sharded bias is still 1-D, so the split
+    is the same on every rank). Extra keyword arguments go to ``AdamW``.
+    """
+    if lr < 0 or weight_decay < 0:
+        raise ConfigurationError(f"lr={lr} and weight_decay={weight_decay} must be >= 0")
+    groups = param_groups(model, weight_decay)
+    if not groups:
+        raise ConfigurationError(f"{type(model).__name__} has no parameter that requires grad",
+                                 fix="build the optimizer from the model you train")
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                             **kwargs)
+
+
+# --------------------------------------------------------------------------
+# learning-rate schedule
+# --------------------------------------------------------------------------
+
+def lr_schedule(step: int, *, lr: float, warmup: int, total: int, min_lr: float) -> float:
+    """The learning rate of optimizer step ``step`` (0-based).
+
+    Linear warm-up over the first ``warmup`` steps (``lr * (step + 1) / warmup``,
+    reaching ``lr`` at step ``warmup - 1``), then a single half-cycle cosine
+    from ``lr`` down to ``min_lr``, reached at step ``total`` and kept after it::
+
+        progress = (step - warmup) / (total - warmup)
+        lr(step) = min_lr + (lr - min_lr) * (1 + cos(pi * progress)) / 2
+    """
+    if warmup < 0 or total < 0 or step < 0:
+        raise ConfigurationError(f"step={step}, warmup={warmup}, total={total} must be >= 0")
+    if min_lr > lr:
+        raise ConfigurationError(f"min_lr={min_lr} is above lr={lr}",
+                                 fix="the cosine decays from lr down to min_lr")
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    if step >= total:
+        return min_lr
+    progress = (step - warmup) / max(1, total - warmup)
+    return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def cosine_scheduler(optimizer: torch.optim.Optimizer, *, warmup: int, total: int,
+                     min_lr: float) -> torch.optim.lr_scheduler.LambdaLR:
+    """``lr_schedule`` as a ``LambdaLR``: each group's initial lr is its peak.
+
+    Call ``scheduler.step()`` after each ``optimizer.step()``; optimizer step i
+    then runs at ``lr_schedule(i, lr=peak, ...)`` (``min_lr`` is absolute).
+    """
+    peaks = [g.get("initial_lr", g["lr"]) for g in optimizer.param_groups]
+
+    def factor(peak):
+        if peak == 0:
+            return lambda step: 0.0
+        return lambda step: lr_schedule(step, lr=peak, warmup=warmup, total=total,
+                                        min_lr=min(min_lr, peak)) / peak
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, [factor(p) for p in peaks])
+
+
+# --------------------------------------------------------------------------
+# data-parallel gradient averaging
+# --------------------------------------------------------------------------
+
+def _grads(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    return [p.grad for p in params if p.grad is not None]
+
+
+def average_gradients(params: Iterable[torch.Tensor], dp_group) -> None:
+    """Average gradients over the data-parallel group, in place.
+
+    ``dp_group``: a ``torch.distributed`` process group, or a shardplan
+    ``Group``. One flat all-reduce per (dtype, device) bucket, then ``/ size``.
+    Every rank of the group must hold gradients for the same parameters.
+    """
+    grads = _grads(params)
+    size = _size(dp_group)
+    if size == 1 or not grads:
+        return
+    buckets: dict = {}
+    for g in grads:
+        if g.is_sparse:
+            raise ConfigurationError("sparse gradients cannot be averaged here",
+                                     fix="use dense embeddings (sparse=False)")
+        buckets.setdefault((g.dtype, g.device), []).append(g)
+    for bucket in buckets.values():
+        flat = _flatten_dense_tensors(bucket)
+        flat = _all_reduce_sum(flat, dp_group)
+        flat.div_(size)
+        for g, avg in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+            g.copy_(avg)
+
+
+def _size(group) -> int:
+    from .runtime.comm import Group
+    if isinstance(group, Group):
+        return group.size
+    return dist.get_world_size(group)
+
+
+def _all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
+    from .runtime.comm import Group
+    if isinstance(group, Group):
+        return group.all_reduce(t, "sum", direction="backward", site="data-parallel gradients")
+    dist.all_reduce(t, group=group)
+    return t
+
+
+# --------------------------------------------------------------------------
+# global-norm clipping under TP
+# --------------------------------------------------------------------------
+
+def _owned(model: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor], object]:
+    """(every gradient, the gradients this rank counts in the norm, the TP group or None)."""
+    layouts = getattr(model, "layouts", None) or {}
+    group = getattr(model, "group", None)
+    rank = group.rank if group is not None else 0
+    every, owned = [], []
+    for name, p in model.named_parameters():  # tied parameters once
+        if p.grad is None:
+            continue
+        every.append(p.grad)
+        lay = layouts.get(name)
+        if isinstance(lay, Shard):
+            if rank % lay.replicas == 0:  # the first rank of the ranks sharing this slice
+                owned.append(p.grad)
+        elif rank == 0:  # replicated: the same on every TP rank, counted once
+            owned.append(p.grad)
+    return every, owned, group
+
+
+def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
+    """The global gradient norm of the unsharded model, from this rank's gradients.
+
+    Collective over ``model.group`` (a ``ShardedModule``; a plain module is its
+    own whole). Returns a float32 scalar, bit-identical on every TP rank.
+    """
+    _, owned, group = _owned(model)
+    return _global_norm(owned, group, float(norm_type), _device(model))
+
+
+def _device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _global_norm(owned: list[torch.Tensor], group, norm_type: float,
+                 device: torch.device) -> torch.Tensor:
+    if norm_type == math.inf:
+        local = torch.stack([g.detach().abs().max().float() for g in owned]).max() \
+            if owned else torch.zeros((), device=device)
+        if group is not None and group.size > 1:
+            local = group.all_reduce(local.reshape(1), "max", site="grad norm").reshape(())
+        return local
+    if norm_type != 2.0:
+        raise ConfigurationError(f"norm_type={norm_type} is not supported",
+                                 fix="use 2.0 (the global L2 norm) or math.inf")
+    if owned:
+        local = torch.stack([torch.linalg.vector_norm(g.detach(), 2, dtype=torch.float32)
+                             for g in owned]).square().sum()
+    else:
+        local = torch.zeros((), dtype=torch.float32, device=device)
+    if group is not None and group.size > 1:
+        local = group.all_reduce(local.reshape(1), "sum", site="grad norm").reshape(())
+    return local.sqrt()
+
+
+@torch.no_grad()
+def clip_grad_norm_(model: nn.Module, max_norm: float = 1.0, *, dp_group=None,
+                    norm_type: float = 2.0) -> torch.Tensor:
+    """Clip the gradients of a parallelized model by the global norm; return that norm.
+
+    The norm is the unsharded model's (see the module docstring): sharded
+    gradients' squares are summed over the TP group, replicated ones counted
+    once. Every rank gets the same norm and applies the same scale,
+    ``min(1, max_norm / (norm + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_``
+    does. ``dp_group`` (a process group or shardplan ``Group``): average the
+    gradients over these data-parallel replicas first. ``max_norm=None`` or
+    ``<= 0`` only measures (after averaging). A non-finite norm is returned
+    as it is; the gradients are then scaled by a non-finite factor too, as
+    torch does — check it before ``optimizer.step()``.
+    """
+    if dp_group is not None:
+        average_gradients(model.parameters(), dp_group)
+    every, owned, group = _owned(model)
+    total = _global_norm(owned, group, float(norm_type), _device(model))
+    if max_norm is None or max_norm <= 0 or not every:
+        return total
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in every:
+        g.mul_(coef.to(g.device, g.dtype))
+    return total
