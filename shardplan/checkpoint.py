@@ -984,7 +984,7 @@ def _read_local(f, name: str, e: _Entry, rank: int, tp: int) -> torch.Tensor:
     """This rank's part of tensor ``name`` of safetensors file ``f``, reading only its ranges."""
     lay = e.layout
     if not isinstance(lay, Shard):
-        return f.get_tensor(name)
+        return _owned(f.get_tensor(name))
     sl = f.get_slice(name)
     d, size = lay.dim, e.shape[lay.dim]
     segments, offset = [], 0
@@ -1001,4 +1001,10 @@ def _read_local(f, name: str, e: _Entry, rank: int, tp: int) -> torch.Tensor:
             shape = list(e.shape)
             shape[d] = hi - max(lo, size)
             pieces.append(torch.zeros(shape, dtype=e.tensor.dtype))
-    return torch.cat(pieces, d) if len(pieces) > 1 else pieces[0]
+    return torch.cat(pieces, d) if len(pieces) > 1 else _owned(pieces[0])
+
+
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """A tensor with memory of its own, not a view of the file's memory map (which a
+    later write to that file could change under the model)."""
+    return t.clone(memory_format=torch.contiguous_format)

@@ -89,13 +89,14 @@ class ShardedModule(nn.Module):
         return gm(*args, **kwargs)
 
     def load_local_(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Set this rank's tensors by FQN (every alias of a tied one), in place where
-        they exist and by replacement where they are still on ``meta``."""
+        """Set this rank's tensors by FQN (every alias of a tied one): copied in place
+        where they exist; where they are still on ``meta`` the given tensors become the
+        storage (no copy: loading costs one shard, not two)."""
         for fqn, value in tensors.items():
             current = self._tensors[fqn]
             if current.is_meta or current.shape != value.shape:
-                new = nn.Parameter(value.detach().clone(), current.requires_grad) \
-                    if isinstance(current, nn.Parameter) else value.detach().clone()
+                new = nn.Parameter(value.detach(), current.requires_grad) \
+                    if isinstance(current, nn.Parameter) else value.detach()
                 for alias, t in list(self._tensors.items()):
                     if t is current:
                         self._tensors[alias] = new

@@ -75,3 +75,17 @@ def step(ctx, model, kw, gather_output=True, captured=None):
 
 def real_step(ctx, kind, kw):
     return step(ctx, build(kind), kw)
+
+
+def full_round_trip(ctx, model, file, kw):
+    """Load a full HF safetensors file into the sharded model (each rank its slices),
+    run it, and gather a full state dict back."""
+    from shardplan import checkpoint
+    fresh = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()  # nothing of the original survives but what the file holds
+    sharded = shardplan.parallelize(fresh, group=ctx.group, example_inputs=kw)
+    checkpoint.load_full_state_dict(sharded, file)
+    out = sharded(**kw)
+    return out.logits.detach(), checkpoint.gather_full_state_dict(sharded)
