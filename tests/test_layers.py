@@ -24,18 +24,7 @@ from shardplan.runtime import (ColumnParallelLinear, CommLedger, RowParallelLine
                                VocabParallelEmbedding, padded_vocab_size, vocab_range)
 from shardplan.runtime.comm import Rendezvous, ThreadGroup
 
-SETTINGS = settings(max_examples=20, deadline=None)
-TP = st.sampled_from([1, 2, 4, 8])
-DIM = st.integers(1, 4)
-SEED = st.integers(0, 2**31 - 1)
-
-
-def close(actual, expected):
-    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
-
-
-def comm(led: CommLedger) -> list[tuple]:
-    return [(r.kind, r.direction, r.elements) for r in led.records]
+from runtime_helpers import DIM, SEED, SETTINGS, TP, assert_mlp_matches, close, comm  # noqa: F401
 
 
 def idle_group(rank: int, size: int) -> ThreadGroup:
@@ -176,15 +165,7 @@ def test_parallel_mlp_matches_and_communicates_like_megatron(tp, b, s, h, f, see
     x, w = torch.randn(b, s, h, generator=gen), torch.randn(b, s, h, generator=gen)
     ref_y, ref_dx, ref_g = reference(mlp, x, w)
     results = SimulatedRanks(tp).run(check_parallel_mlp, fc1, fc2, x, w)
-    for rank, (y, dx, g1, g2, records) in enumerate(results):
-        close(y, ref_y)
-        close(dx, ref_dx)
-        close(g1["weight"], ref_g["0.weight"].chunk(tp, 0)[rank])
-        close(g1["bias"], ref_g["0.bias"].chunk(tp, 0)[rank])
-        close(g2["weight"], ref_g["2.weight"].chunk(tp, 1)[rank])
-        close(g2["bias"], ref_g["2.bias"])
-        assert records == [("all_reduce", "forward", b * s * h),
-                           ("all_reduce", "backward", b * s * h)]
+    assert_mlp_matches(results, (ref_y, ref_dx, ref_g), tp, b * s * h)
 
 
 # ---- VocabParallelEmbedding ------------------------------------------------------------

@@ -19,18 +19,7 @@ from shardplan.runtime import (CommLedger, copy_to_region, f, g, gather_from_reg
                                gather_from_sequence, reduce_from_region,
                                reduce_scatter_to_sequence, scatter_to_region)
 
-SETTINGS = settings(max_examples=20, deadline=None)
-TP = st.sampled_from([1, 2, 4, 8])
-DIM = st.integers(1, 4)
-SEED = st.integers(0, 2**31 - 1)
-
-
-def close(actual, expected):
-    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
-
-
-def comm(led: CommLedger) -> list[tuple]:
-    return [(r.kind, r.direction, r.elements) for r in led.records]
+from runtime_helpers import DIM, SEED, SETTINGS, TP, assert_mlp_matches, close, comm  # noqa: F401
 
 
 def randn(gen, *shape):

@@ -18,6 +18,7 @@ from shardplan.runtime import model_parallel_seed, padded_vocab_size, set_rng_tr
 from test_layers import (check_column_parallel, check_parallel_mlp, check_row_parallel,
                          check_row_parallel_skip_g, check_vocab_embedding, full_embedding,
                          full_linear, reference)
+from runtime_helpers import assert_mlp_matches
 from test_loss import check_vocab_cross_entropy, expected_ledger, make_case
 from test_loss import reference as ce_reference
 from test_mappings import _stack, check_forward_only, check_mapping, randn
@@ -197,15 +198,7 @@ def test_parallel_mlp(real_ranks, tp):
     x, w = torch.randn(B, S, h, generator=gen), torch.randn(B, S, h, generator=gen)
     ref_y, ref_dx, ref_g = reference(nn.Sequential(fc1, nn.GELU(), fc2), x, w)
     (results,) = run_batch(real_ranks(tp), [(check_parallel_mlp, (fc1, fc2, x, w))])
-    for rank, (y, dx, g1, g2, records) in enumerate(results):
-        close(y, ref_y)
-        close(dx, ref_dx)
-        close(g1["weight"], ref_g["0.weight"].chunk(tp, 0)[rank])
-        close(g1["bias"], ref_g["0.bias"].chunk(tp, 0)[rank])
-        close(g2["weight"], ref_g["2.weight"].chunk(tp, 1)[rank])
-        close(g2["bias"], ref_g["2.bias"])
-        assert records == [("all_reduce", "forward", B * S * h),
-                           ("all_reduce", "backward", B * S * h)]
+    assert_mlp_matches(results, (ref_y, ref_dx, ref_g), tp, B * S * h)
 
 
 # -- VocabParallelEmbedding ------------------------------------------------------------
