@@ -46,10 +46,13 @@ _HOST = "127.0.0.1"
 class RealRanks(Ranks):
     """A pool of ``world_size`` gloo worker processes (see the module docstring)."""
 
-    def __init__(self, world_size: int, timeout: float = 120.0):
+    def __init__(self, world_size: int, timeout: float = 120.0, startup_timeout: float = 180.0):
         if world_size < 1:
             raise ConfigurationError(f"world_size must be >= 1, got {world_size}")
         self.world_size, self.timeout = world_size, float(timeout)
+        # spawning Python and importing torch takes seconds, more on a loaded machine:
+        # start-up gets its own limit, so a short collective timeout stays usable
+        self.startup_timeout = max(float(startup_timeout), self.timeout)
         self.spawn_seconds: float | None = None  # wall time of the last start()
         self._procs: list = []
         self._conns: list = []
@@ -76,12 +79,13 @@ class RealRanks(Ranks):
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=_worker, name=f"shardplan-rank{rank}", daemon=True,
-                            args=(rank, self.world_size, self._store.port, self.timeout, child))
+                            args=(rank, self.world_size, self._store.port, self.timeout,
+                                  self.startup_timeout, child))
             p.start()
             child.close()
             self._procs.append(p)
             self._conns.append(parent)
-        replies, errors = self._collect(self.timeout, "start-up")
+        replies, errors = self._collect(self.startup_timeout, "start-up")
         if errors or len(replies) < self.world_size:
             self._kill()
             _raise(errors)
@@ -253,15 +257,27 @@ def _send_error(conn, e: BaseException) -> None:
     _send(conn, False, (exc_bytes, type(e).__qualname__, str(e), tb))
 
 
-def _worker(rank: int, n: int, port: int, timeout: float, conn) -> None:
+def _all_arrived(store, n: int, limit: float) -> None:
+    """Wait until all ``n`` workers have started (they spawn seconds apart under load)."""
+    store.add("arrived", 1)
+    deadline = time.monotonic() + limit
+    while store.add("arrived", 0) < n:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {store.add('arrived', 0)} of {n} workers started "
+                               f"within {limit}s")
+        time.sleep(0.01)
+
+
+def _worker(rank: int, n: int, port: int, timeout: float, startup: float, conn) -> None:
     """Body of one worker process: join the group, then serve tasks until told to stop."""
     if sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
-    td = timedelta(seconds=timeout)
     try:
-        store = dist.TCPStore(_HOST, port, is_master=False, timeout=td)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=n, timeout=td)
+        store = dist.TCPStore(_HOST, port, is_master=False, timeout=timedelta(seconds=startup))
+        _all_arrived(store, n, startup)  # gloo's connect waits only `timeout` for late peers
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=n,
+                                timeout=timedelta(seconds=timeout))
         ctx = RankContext(rank, n, TorchGroup())
         _send(conn, True, None)
     except BaseException as e:
