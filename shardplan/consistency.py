@@ -32,13 +32,13 @@ def assert_same_across(group: Group, named: dict[str, torch.Tensor], *, what: st
     if group.size == 1 or not named:
         return
     names = list(named)
-    mine = fingerprints([named[n] for n in names])
+    mine = fingerprints([named[n] for n in names]).to(group.device)
     ref = group.broadcast(mine, 0, site="consistency check")
     differs = ~torch.isclose(mine, ref, rtol=1e-12, atol=0.0).all(dim=1)
     first = int(differs.nonzero()[0]) if differs.any() else len(names)
-    worst = group.all_reduce(torch.tensor([-first], dtype=torch.float64), "max",
-                             site="consistency check")
-    index = int(-worst.item())
+    worst = group.all_reduce(torch.tensor([-first], dtype=torch.float64, device=group.device),
+                             "max", site="consistency check")
+    index = int(-worst.cpu().item())
     if index < len(names):
         raise CommunicationError(f"{what}: {names[index]!r} differs between ranks",
                                  where=names[index], fix=fix)

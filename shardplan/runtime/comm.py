@@ -65,6 +65,11 @@ class Group:
         if self.size > 1:
             self._barrier()
 
+    @property
+    def device(self) -> torch.device:
+        """Where tensors must live for this group's collectives."""
+        return torch.device("cpu")
+
     def __deepcopy__(self, memo):
         return self  # a group is a handle on ranks, never copied with a module
 
@@ -109,6 +114,13 @@ class TorchGroup(Group):
         self.pg = pg
         self.rank = dist.get_rank(pg)
         self.size = dist.get_world_size(pg)
+
+    @property
+    def device(self) -> torch.device:
+        backend = str(dist.get_backend(self.pg))
+        if "nccl" in backend and "gloo" not in backend:  # NCCL alone: CUDA tensors only
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     def _all_reduce(self, t, op):
         out = t.clone()

@@ -68,7 +68,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             out = loss.sum()
         else:
             out = loss.view(target.shape)
-        return out.to(logits.dtype)
+        if not torch.is_autocast_enabled(logits.device.type):
+            out = out.to(logits.dtype)  # under autocast a loss stays fp32, as F.cross_entropy's does
+        return out
 
     @staticmethod
     def backward(ctx, grad):

@@ -1,0 +1,616 @@
+"""Train a language model with tensor (and data) parallelism: the entry point for torchrun.
+
+    torchrun --nproc-per-node 4 -m shardplan.train --tp 2 --model gpt-tiny --steps 200 \\
+        --batch-size 8 --seq-len 32 --data input.txt --save ckpt --save-every 50
+    torchrun --nproc-per-node 4 -m shardplan.train --tp 2 ... --resume ckpt
+
+The world is a 2-D mesh (dp, tp), rank = dp_rank * tp + tp_rank: the model is
+parallelized over each "tp" row; gradients are averaged over each "dp"
+column (one flat all-reduce). NCCL when CUDA is available (with gloo beside it
+for CPU tensors), else gloo.
+Without torchrun it runs as a single process (tp = dp = 1).
+
+**Data.** Byte tokens (vocabulary 256) of ``--data FILE``, or, without a file,
+a synthetic stream (a random Markov chain over bytes, so there is something
+to learn). Step s draws ``batch_size * dp`` windows of ``seq_len + 1`` tokens
+at random offsets from a generator seeded by (seed, s); data-parallel replica
+d takes rows ``[d * batch_size, (d + 1) * batch_size)``, and every TP rank of
+a replica the same rows. The global batch therefore depends only on the seed,
+the step and ``batch_size * dp``: a single process with ``--batch-size
+B*dp`` sees exactly the concatenation of the replicas' batches, and a resumed
+run reads exactly what the uninterrupted one would have.
+
+**Optimizer.** ``shardplan.optim``: AdamW (betas 0.9/0.95, no decay on 1-D
+parameters), linear warm-up then cosine decay to ``--min-lr``, global-norm
+clipping that is correct under TP. ``--bf16``: ``torch.autocast`` to bfloat16
+(weights and optimizer state stay float32).
+
+**Checkpoints.** ``--save DIR`` writes ``DIR/step-00000050`` (a
+``shardplan.checkpoint`` directory: shards and optimizer state per TP rank)
+every ``--save-every`` steps and at the end; data-parallel replica 0 writes,
+the others hold the same values. ``extra`` carries the step, the data
+position and each rank's RNG streams, so ``--resume DIR`` (the newest
+``step-*`` in it, or a checkpoint directory itself) continues exactly: the
+next losses equal those of an uninterrupted run.
+
+``train(config)`` is the same thing as a function (losses per step, on every
+rank); call it inside an initialized process group (e.g. a ``RealRanks``
+worker) or let it start one from torchrun's environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib
+import math
+import os
+import re
+import socket
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from . import checkpoint
+from .api import parallelize
+from .consistency import assert_same_across, check_replicas
+from .errors import CommunicationError, ConfigurationError
+from .optim import average_gradients, build_optimizer, clip_grad_norm_, lr_schedule
+from .runtime.comm import TorchGroup
+from .runtime.random import MODEL_PARALLEL, REPLICATED, manual_seed
+
+__all__ = ["TrainConfig", "Trainer", "TokenData", "build_model", "train", "main",
+           "parse_args", "VOCAB"]
+
+VOCAB = 256  # byte tokens
+FORMAT = "shardplan.train/1"
+SYNTHETIC_BYTES = 1 << 16
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run depends on; ``main`` fills it from the command line."""
+
+    model: str = "gpt-tiny"            # a bundled preset, or package.module:factory
+    tp: int | None = None              # default: world // dp (all ranks when dp is unset)
+    dp: int | None = None              # default: world // tp
+    steps: int = 100
+    batch_size: int = 8                # sequences per data-parallel replica and step
+    seq_len: int = 32
+    lr: float = 1e-3
+    warmup: int = 10
+    min_lr: float | None = None        # default: lr / 10
+    clip: float = 1.0                  # <= 0: no clipping (the norm is still logged)
+    weight_decay: float = 0.01
+    seed: int = 1234
+    data: str | None = None            # a file whose bytes are the tokens; None: synthetic
+    save: str | None = None
+    save_every: int = 0                # 0: only at the end (when save is set)
+    resume: str | None = None
+    check_replicas_every: int = 100    # 0: only at the end
+    bf16: bool = False
+    log_every: int = 10                # 0: no logging
+    dropout: float | None = None       # override a bundled preset's dropout
+    device: str | None = None          # default: cuda:LOCAL_RANK when CUDA is available, else cpu
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "seq_len"):
+            if getattr(self, name) < 1:
+                raise ConfigurationError(f"{name}={getattr(self, name)} must be >= 1")
+        for name in ("warmup", "save_every", "check_replicas_every", "log_every"):
+            if getattr(self, name) < 0:
+                raise ConfigurationError(f"{name}={getattr(self, name)} must be >= 0")
+        for name in ("tp", "dp"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ConfigurationError(f"{name}={v} must be >= 1")
+        if self.lr <= 0:
+            raise ConfigurationError(f"lr={self.lr} must be > 0")
+        if self.min_lr is not None and not 0 <= self.min_lr <= self.lr:
+            raise ConfigurationError(f"min_lr={self.min_lr} must be in [0, lr={self.lr}]")
+        if not 0 <= self.seed < 2 ** 31:
+            raise ConfigurationError(f"seed={self.seed} must be in [0, 2**31)")
+        if self.save_every and not self.save:
+            raise ConfigurationError(f"save_every={self.save_every} without a save directory",
+                                     fix="pass --save DIR too")
+        if self.dropout is not None and not 0 <= self.dropout < 1:
+            raise ConfigurationError(f"dropout={self.dropout} must be in [0, 1)")
+
+    @property
+    def floor_lr(self) -> float:
+        return self.lr / 10 if self.min_lr is None else self.min_lr
+
+
+# --------------------------------------------------------------------------
+# data
+# --------------------------------------------------------------------------
+
+def synthetic_corpus(seed: int, n: int = SYNTHETIC_BYTES) -> np.ndarray:
+    """``n`` bytes of a random Markov chain: each byte is followed by one of 4 others.
+
+    Learnable (the best loss is log 4 ~ 1.39 nats) and fixed by ``seed``.
+    """
+    rng = np.random.default_rng([seed, 0x5A17])
+    succ = rng.integers(0, VOCAB, size=(VOCAB, 4))
+    choice = rng.integers(0, 4, size=n)
+    out = np.empty(n, dtype=np.uint8)
+    b = int(rng.integers(0, VOCAB))
+    for i, c in enumerate(choice.tolist()):
+        out[i] = b
+        b = int(succ[b, c])
+    return out
+
+
+class TokenData:
+    """Deterministic batches of byte tokens (see the module docstring)."""
+
+    def __init__(self, path: str | None, *, seq_len: int, batch_size: int, dp: int, seed: int):
+        self.path, self.seq_len, self.batch_size, self.dp, self.seed = \
+            path, seq_len, batch_size, dp, seed
+        if path is None:
+            self.tokens = synthetic_corpus(seed)
+        else:
+            p = Path(path)
+            if not p.is_file():
+                raise ConfigurationError(f"--data {path}: no such file")
+            size = p.stat().st_size
+            self.tokens = np.memmap(p, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
+        if len(self.tokens) < seq_len + 2:
+            raise ConfigurationError(
+                f"the data has {len(self.tokens)} tokens, fewer than seq_len + 2 = {seq_len + 2}",
+                fix="use a longer file or a shorter --seq-len")
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.batch_size * self.dp
+
+    def offsets(self, step: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 2 ** 32 + step)
+        return torch.randint(0, len(self.tokens) - self.seq_len - 1,
+                             (self.global_batch_size,), generator=g)
+
+    def global_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) of every replica, concatenated: ``[batch_size * dp, seq_len]``."""
+        rows = np.stack([np.asarray(self.tokens[o:o + self.seq_len + 1])
+                         for o in self.offsets(step).tolist()]).astype(np.int64)
+        t = torch.from_numpy(rows)
+        return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+    def batch(self, step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replica ``dp_rank``'s rows of step ``step``'s global batch."""
+        x, y = self.global_batch(step)
+        rows = slice(dp_rank * self.batch_size, (dp_rank + 1) * self.batch_size)
+        return x[rows].contiguous(), y[rows].contiguous()
+
+    def position(self, step: int) -> dict:
+        """Where the next step reads, as JSON for a checkpoint."""
+        return {"source": self.path or "synthetic", "tokens": int(len(self.tokens)),
+                "sampler": "random-windows/1", "next_step": step,
+                "sequences_seen": step * self.global_batch_size}
+
+
+# --------------------------------------------------------------------------
+# the model
+# --------------------------------------------------------------------------
+
+def build_model(config: TrainConfig) -> nn.Module:
+    """The unsharded model, built from the current RNG state (seed it first).
+
+    A bundled preset gets a byte vocabulary (256), a context of at least
+    ``seq_len`` and ``config.dropout`` if given; ``package.module:factory``
+    is called without arguments and must take ``(idx, targets)``.
+    """
+    from .models import PRESETS, build
+    if config.model in PRESETS:
+        _, preset = PRESETS[config.model]
+        fields = {f.name for f in dataclasses.fields(preset)}
+        overrides: dict = {"vocab_size": VOCAB}
+        for ctx in ("block_size", "max_seq_len"):
+            if ctx in fields:
+                overrides[ctx] = max(getattr(preset, ctx), config.seq_len)
+        if config.dropout is not None:
+            if "dropout" in fields:
+                overrides["dropout"] = config.dropout
+            elif config.dropout:
+                raise ConfigurationError(f"{config.model} has no dropout to set",
+                                         fix="leave --dropout out for this model")
+        return build(config.model, **overrides)
+    if ":" not in config.model:
+        raise ConfigurationError(f"unknown model {config.model!r}",
+                                 fix=f"use a preset ({', '.join(PRESETS)}) or package.module:factory")
+    module, _, attr = config.model.partition(":")
+    try:
+        obj = importlib.import_module(module)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as e:
+        raise ConfigurationError(f"cannot import {config.model}: {e}",
+                                 fix="give package.module:factory, importable on every rank") from e
+    model = obj()
+    if not isinstance(model, nn.Module):
+        raise ConfigurationError(f"{config.model}() returned {type(model).__name__}, "
+                                 "not a torch.nn.Module")
+    vocab = max((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)),
+                default=None)
+    if vocab is not None and vocab < VOCAB:
+        raise ConfigurationError(f"{config.model}() has a vocabulary of {vocab}; byte tokens "
+                                 f"need {VOCAB}", fix="build the model with vocab_size >= 256")
+    return model
+
+
+def loss_of(out) -> torch.Tensor:
+    """The loss from a model's output: ``(logits, loss)``, an object with ``.loss``, or a scalar."""
+    if isinstance(out, torch.Tensor) and out.dim() == 0:
+        return out
+    if isinstance(out, (tuple, list)) and len(out) >= 2 and isinstance(out[1], torch.Tensor):
+        return out[1]
+    loss = getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    raise ConfigurationError(f"cannot find the loss in the model's output ({type(out).__name__})",
+                             fix="forward(idx, targets) must return (logits, loss), an object "
+                                 "with .loss, or the scalar loss")
+
+
+# --------------------------------------------------------------------------
+# process groups
+# --------------------------------------------------------------------------
+
+def _device(config: TrainConfig) -> torch.device:
+    if config.device is not None:
+        return torch.device(config.device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(device: torch.device) -> bool:
+    """Start the default process group unless one exists; return whether this call started it.
+
+    From torchrun's environment (``RANK``, ``WORLD_SIZE``, ...), else as a single process.
+    """
+    if dist.is_initialized():
+        return False
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    # NCCL for CUDA tensors, gloo beside it for the small CPU tensors of shardplan's
+    # consistency checks (model checksum, replica fingerprints)
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+    else:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
+                                rank=0, world_size=1)
+    return True
+
+
+def _sizes(config: TrainConfig, world: int) -> tuple[int, int]:
+    tp, dp = config.tp, config.dp
+    if tp is None and dp is None:
+        tp, dp = world, 1
+    elif tp is None:
+        tp = world // dp
+    elif dp is None:
+        dp = world // tp
+    if tp * dp != world or tp < 1:
+        raise ConfigurationError(f"tp={config.tp} x dp={config.dp} does not fill the world "
+                                 f"of {world} ranks",
+                                 fix="launch tp * dp processes (torchrun --nproc-per-node), "
+                                     "or pass --tp that divides it")
+    return tp, dp
+
+
+# --------------------------------------------------------------------------
+# RNG states as JSON
+# --------------------------------------------------------------------------
+
+def _rng_json(states: dict) -> dict:
+    return {stream: {dev: t.tolist() for dev, t in st.items()} for stream, st in states.items()}
+
+
+def _rng_of(saved: dict) -> dict:
+    return {stream: {dev: torch.tensor(v, dtype=torch.uint8) for dev, v in saved[stream].items()}
+            for stream in (REPLICATED, MODEL_PARALLEL)}
+
+
+# --------------------------------------------------------------------------
+# the trainer
+# --------------------------------------------------------------------------
+
+class Trainer:
+    """One rank of a run: the mesh, the sharded model, the optimizer, the data.
+
+    ``run()`` trains up to ``config.steps`` and returns this call's losses;
+    ``history`` holds (step, loss, lr, grad norm) per step taken.
+    """
+
+    def __init__(self, config: TrainConfig):
+        self.config = config
+        self.device = _device(config)
+        init_distributed(self.device)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.tp, self.dp = _sizes(config, self.world)
+        from torch.distributed.device_mesh import init_device_mesh
+        self.mesh = init_device_mesh(self.device.type, (self.dp, self.tp),
+                                     mesh_dim_names=("dp", "tp"))
+        self.tp_rank, self.dp_rank = self.mesh.get_local_rank("tp"), self.mesh.get_local_rank("dp")
+        self.dp_pg = self.mesh.get_group("dp")
+
+        self.data = TokenData(config.data, seq_len=config.seq_len, batch_size=config.batch_size,
+                              dp=self.dp, seed=config.seed)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(config.seed)  # the same model on every rank
+            model = build_model(config)
+        model.to(self.device).train()
+        self.n_params = sum(p.numel() for p in model.parameters())
+        example = tuple(t.to(self.device) for t in self.data.batch(0, self.dp_rank))
+        self.sharded = parallelize(model, mesh=self.mesh, example_inputs=example,
+                                   gather_output=False)
+        self.tracker = manual_seed(config.seed, self.tp_rank)
+        self.optimizer = build_optimizer(self.sharded, config.lr,
+                                         weight_decay=config.weight_decay)
+        self.step = 0  # optimizer steps taken
+        self.history: list[dict] = []
+        if config.resume:
+            self.resume(config.resume)
+
+    # -- one step ----------------------------------------------------------
+    def lr_at(self, step: int) -> float:
+        c = self.config
+        return lr_schedule(step, lr=c.lr, warmup=c.warmup, total=c.steps, min_lr=c.floor_lr)
+
+    def autocast(self):
+        if not self.config.bf16:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+
+    def train_step(self) -> dict:
+        c, step = self.config, self.step
+        lr = self.lr_at(step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        x, y = (t.to(self.device, non_blocking=True) for t in self.data.batch(step, self.dp_rank))
+        self.optimizer.zero_grad(set_to_none=True)
+        with self.autocast():
+            loss = loss_of(self.sharded(x, y))
+        loss.backward()
+        if c.clip > 0:
+            norm = clip_grad_norm_(self.sharded, c.clip, dp_group=self.dp_pg)
+        else:
+            average_gradients(self.sharded.parameters(), self.dp_pg)
+            norm = clip_grad_norm_(self.sharded, None)
+        finite = bool(torch.isfinite(norm))  # the same on every rank: the norm is all-reduced
+        if finite:
+            self.optimizer.step()
+        elif self.rank == 0:
+            print(f"shardplan.train: step {step + 1}: gradient norm {norm.item()}; "
+                  "step skipped", file=sys.stderr, flush=True)
+        mean = loss.detach().float().reshape(1)
+        if self.dp > 1:
+            dist.all_reduce(mean, group=self.dp_pg)
+            mean /= self.dp
+        self.step += 1
+        record = {"step": self.step, "loss": mean.item(), "lr": lr, "grad_norm": norm.item(),
+                  "skipped": not finite}
+        self.history.append(record)
+        return record
+
+    # -- the loop ----------------------------------------------------------
+    def run(self) -> list[float]:
+        c = self.config
+        losses = []
+        if self.rank == 0 and c.log_every:
+            self._log_header()
+        tokens = self.data.global_batch_size * c.seq_len
+        t_log, since = time.perf_counter(), 0
+        while self.step < c.steps:
+            rec = self.train_step()
+            losses.append(rec["loss"])
+            since += 1
+            if c.log_every and self.rank == 0 and (
+                    self.step % c.log_every == 0 or self.step == c.steps or self.step == 1):
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                now = time.perf_counter()
+                rate = tokens * since / max(now - t_log, 1e-9)
+                print(f"step {self.step:>6}/{c.steps} | loss {rec['loss']:.4f} | "
+                      f"lr {rec['lr']:.3e} | grad norm {rec['grad_norm']:.4f} | "
+                      f"{rate:,.0f} tok/s", flush=True)
+                t_log, since = now, 0
+            if c.check_replicas_every and self.step % c.check_replicas_every == 0:
+                self.check_replicas()
+            if c.save and ((c.save_every and self.step % c.save_every == 0)
+                           or self.step == c.steps):
+                self.save(Path(c.save) / f"step-{self.step:08d}")
+        self.check_replicas()
+        return losses
+
+    def check_replicas(self) -> None:
+        """Replicated parameters equal across TP ranks; every parameter equal across replicas.
+
+        Collective over the world: both checks run on every rank, and if either
+        fails anywhere, every rank raises (no rank is left waiting in a collective).
+        """
+        errors = []
+        try:
+            check_replicas(self.sharded)
+        except CommunicationError as e:
+            errors.append(e)
+        if self.dp > 1:
+            try:
+                assert_same_across(TorchGroup(self.dp_pg), dict(self.sharded.named_parameters()),
+                                   what="data-parallel replicas drifted",
+                                   fix="every replica must average the same gradients and "
+                                       "step alike; report it with the plan")
+            except CommunicationError as e:
+                errors.append(e)
+        flags = torch.zeros(self.world, dtype=torch.int32, device=self._flag_device())
+        flags[self.rank] = 1 if errors else 0
+        dist.all_reduce(flags)
+        failed = flags.nonzero().flatten().tolist()
+        if errors:
+            raise errors[0]
+        if failed:
+            raise CommunicationError(
+                f"replicas drifted apart (found on rank{'s' * (len(failed) > 1)} "
+                f"{', '.join(map(str, failed))})",
+                fix=f"see rank {failed[0]}'s error: it names the parameter")
+
+    def _flag_device(self) -> torch.device:
+        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")  # pure NCCL
+
+    # -- checkpoints -------------------------------------------------------
+    def extra(self) -> dict:
+        c = self.config
+        return {"format": FORMAT, "step": self.step, "data": self.data.position(self.step),
+                "rng": _rng_json(self.tracker.get_states()),
+                "config": {"model": c.model, "tp": self.tp, "dp": self.dp, "seed": c.seed,
+                           "batch_size": c.batch_size, "seq_len": c.seq_len, "lr": c.lr,
+                           "steps": c.steps, "bf16": c.bf16}}
+
+    def save(self, path: Path) -> None:
+        """Collective over the world; data-parallel replica 0 writes."""
+        t0 = time.perf_counter()
+        if self.dp_rank == 0:
+            checkpoint.save_sharded(self.sharded, path, optimizer=self.optimizer,
+                                    extra=self.extra())
+        dist.barrier()
+        if self.rank == 0 and self.config.log_every:
+            print(f"saved step {self.step} to {path} ({time.perf_counter() - t0:.2f} s)",
+                  flush=True)
+
+    def resume(self, path) -> None:
+        path = resolve_checkpoint(path)
+        extra = checkpoint.load_sharded(self.sharded, path, optimizer=self.optimizer)
+        if extra.get("format") != FORMAT or "step" not in extra:
+            raise ConfigurationError(f"{path} was not written by shardplan.train "
+                                     f"(extra: {sorted(extra)[:5]})",
+                                     fix="resume from a --save directory of shardplan.train")
+        saved = extra.get("config", {})
+        c = self.config
+        mine = {"model": c.model, "seed": c.seed, "seq_len": c.seq_len,
+                "global_batch": c.batch_size * self.dp}
+        theirs = {"model": saved.get("model"), "seed": saved.get("seed"),
+                  "seq_len": saved.get("seq_len"),
+                  "global_batch": (saved.get("batch_size") or 0) * (saved.get("dp") or 0)}
+        changed = {k: (theirs[k], mine[k]) for k in mine if theirs[k] != mine[k]}
+        if changed and self.rank == 0:
+            warnings.warn(f"resuming {path} with a different configuration {changed} "
+                          "(saved, now): the run will not be the one that was saved",
+                          stacklevel=2)
+        data = extra.get("data", {})
+        if data.get("tokens") not in (None, len(self.data.tokens)) and self.rank == 0:
+            warnings.warn(f"the data has {len(self.data.tokens)} tokens; the checkpoint was "
+                          f"trained on {data.get('tokens')}", stacklevel=2)
+        self.step = int(extra["step"])
+        self.tracker.set_states(_rng_of(extra["rng"]))
+        self.check_replicas()
+        if self.rank == 0 and c.log_every:
+            print(f"resumed {path} at step {self.step}", flush=True)
+
+    def _log_header(self) -> None:
+        c = self.config
+        backend = dist.get_backend()
+        print(f"shardplan.train: {c.model} ({self.n_params / 1e6:.2f}M parameters), "
+              f"world {self.world} = dp {self.dp} x tp {self.tp}, {backend} on {self.device.type}"
+              f"{', bf16 autocast' if c.bf16 else ''}; global batch "
+              f"{self.data.global_batch_size} x {c.seq_len} tokens; "
+              f"data {c.data or 'synthetic'}", flush=True)
+
+
+_STEP_DIR = re.compile(r"step-(\d+)$")
+
+
+def resolve_checkpoint(path) -> Path:
+    """``path`` itself if it is a checkpoint, else its newest ``step-*`` checkpoint."""
+    path = Path(path)
+    if (path / checkpoint.INDEX).is_file():
+        return path
+    found = sorted((int(m.group(1)), p) for p in path.glob("step-*")
+                   if (m := _STEP_DIR.match(p.name)) and (p / checkpoint.INDEX).is_file())
+    if not found:
+        raise ConfigurationError(f"--resume {path}: no checkpoint there",
+                                 fix="give a --save directory (its newest step-* is used) "
+                                     "or one step-* checkpoint directory")
+    return found[-1][1]
+
+
+def train(config: TrainConfig) -> list[float]:
+    """Train as ``config`` says; return the loss of each step taken (the global batch's
+    mean, the same on every rank). Collective: call it on every rank."""
+    owns = init_distributed(_device(config))
+    ok = False
+    try:
+        losses = Trainer(config).run()
+        ok = True
+        return losses
+    finally:
+        if owns and dist.is_initialized():
+            if ok:
+                dist.barrier()  # cheap insurance against teardown races
+            dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------
+# the command line
+# --------------------------------------------------------------------------
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    d = TrainConfig()
+    p = argparse.ArgumentParser(
+        prog="torchrun --nproc-per-node N -m shardplan.train",
+        description="Train a language model on byte tokens with Megatron tensor parallelism "
+                    "(shardplan.parallelize) and data parallelism.")
+    p.add_argument("--model", default=d.model,
+                   help="a bundled preset (gpt-tiny, llama-tiny, ...) or package.module:factory")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: world)")
+    p.add_argument("--dp", type=int, default=None, help="data-parallel size (default: world/tp)")
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--batch-size", type=int, default=d.batch_size,
+                   help="sequences per data-parallel replica and step")
+    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
+    p.add_argument("--warmup", type=int, default=d.warmup, help="linear warm-up steps")
+    p.add_argument("--min-lr", type=float, default=None, help="cosine floor (default: lr/10)")
+    p.add_argument("--clip", type=float, default=d.clip, help="global-norm clip (0: off)")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--data", default=None,
+                   help="a file whose bytes are the tokens (default: a synthetic stream)")
+    p.add_argument("--dropout", type=float, default=None, help="dropout of a bundled preset")
+    p.add_argument("--save", default=None, help="checkpoint directory (step-* inside)")
+    p.add_argument("--save-every", type=int, default=d.save_every,
+                   help="steps between checkpoints (0: only at the end)")
+    p.add_argument("--resume", default=None,
+                   help="a --save directory (its newest step-*) or a checkpoint directory")
+    p.add_argument("--check-replicas-every", type=int, default=d.check_replicas_every,
+                   help="steps between replica checks (0: only at the end)")
+    p.add_argument("--bf16", action="store_true", help="bfloat16 autocast")
+    p.add_argument("--log-every", type=int, default=d.log_every)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    args = p.parse_args(argv)
+    return TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_args(argv)
+    losses = train(config)
+    return 0 if all(math.isfinite(x) for x in losses) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,316 @@
+"""The training recipe (shardplan.optim) and entry point (shardplan.train).
+
+Clipping and the schedule are checked against torch and hand computations on
+simulated ranks (threads). The training runs use 4 real gloo processes as a
+(dp=2, tp=2) mesh on the bundled gpt-tiny with a byte vocabulary, small
+batches and short sequences, so the file stays well under two minutes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import shardplan
+from shardplan.capture import capture
+from shardplan.errors import ConfigurationError
+from shardplan.models import build
+from shardplan.optim import (build_optimizer, clip_grad_norm_, cosine_scheduler, grad_norm,
+                             lr_schedule)
+from shardplan.ranks import SimulatedRanks
+from shardplan.train import TokenData, TrainConfig, parse_args, resolve_checkpoint
+from train_cases import (clip_dp_rank, clip_rank, reference_losses, resume_rank, torch_clip,
+                         train_rank, trainer_rank)
+
+# One small run: dp 2 x tp 2, 2 sequences of 16 bytes per replica and step, dropout 0.
+BASE = dict(model="gpt-tiny", tp=2, dp=2, batch_size=2, seq_len=16, lr=3e-3, warmup=3,
+            min_lr=3e-4, clip=1.0, weight_decay=0.01, seed=5, dropout=0.0, log_every=0,
+            check_replicas_every=5)
+
+
+def rel_close(actual, expected, rtol, what):
+    for i, (a, b) in enumerate(zip(actual, expected, strict=True)):
+        assert abs(a - b) <= rtol * abs(b), f"{what} at step {i + 1}: {a} vs {b}"
+
+
+# -- the schedule -----------------------------------------------------------------------------
+
+def test_schedule_by_hand():
+    s = dict(lr=1.0, warmup=10, total=110, min_lr=0.1)
+    assert lr_schedule(0, **s) == pytest.approx(0.1)          # warm-up: (step + 1) / warmup
+    assert lr_schedule(4, **s) == pytest.approx(0.5)
+    assert lr_schedule(9, **s) == pytest.approx(1.0)          # peak at the end of warm-up
+    assert lr_schedule(10, **s) == pytest.approx(1.0)         # cosine starts at the peak
+    assert lr_schedule(60, **s) == pytest.approx(0.55)        # half-way: (lr + min_lr) / 2
+    assert lr_schedule(35, **s) == pytest.approx(0.1 + 0.9 * (1 + math.cos(math.pi / 4)) / 2)
+    assert lr_schedule(110, **s) == pytest.approx(0.1)        # floor at total, and after
+    assert lr_schedule(10_000, **s) == pytest.approx(0.1)
+    assert lr_schedule(0, lr=2.0, warmup=0, total=10, min_lr=0.0) == pytest.approx(2.0)
+    lrs = [lr_schedule(i, **s) for i in range(120)]
+    assert all(a <= b for a, b in zip(lrs[:10], lrs[1:10]))
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
+    with pytest.raises(ConfigurationError):
+        lr_schedule(0, lr=1.0, warmup=0, total=10, min_lr=2.0)
+
+
+def test_lambda_scheduler_follows_schedule():
+    w = torch.nn.Parameter(torch.zeros(2, 2))
+    b = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.AdamW([{"params": [w], "lr": 1e-3}, {"params": [b], "lr": 5e-4}])
+    sched = cosine_scheduler(opt, warmup=4, total=20, min_lr=1e-5)
+    for step in range(25):
+        for group, peak in zip(opt.param_groups, (1e-3, 5e-4)):
+            want = lr_schedule(step, lr=peak, warmup=4, total=20, min_lr=1e-5)
+            assert group["lr"] == pytest.approx(want, rel=1e-12), (step, peak)
+        opt.step()
+        sched.step()
+
+
+# -- the optimizer --------------------------------------------------------------------------
+
+def test_build_optimizer_groups():
+    model = build("gpt-tiny")
+    opt = build_optimizer(model, 1e-3)
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.01 and no_decay["weight_decay"] == 0.0
+    assert decay["betas"] == (0.9, 0.95) and decay["eps"] == 1e-8 and decay["lr"] == 1e-3
+    assert all(p.dim() == 2 for p in decay["params"])
+    assert all(p.dim() == 1 for p in no_decay["params"])
+    assert any(n.endswith("ln_1.weight") for n in no_decay["param_names"])
+    assert "transformer.wte.weight" in decay["param_names"]  # embeddings decay, tied once
+    assert "lm_head.weight" not in decay["param_names"]
+    n = sum(len(g["params"]) for g in opt.param_groups)
+    assert n == len(list(model.parameters()))
+
+
+# -- clipping ---------------------------------------------------------------------------------
+
+def _batch(vocab, b=4, t=8, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (b, t), generator=g), torch.randint(0, vocab, (b, t), generator=g)
+
+
+CLIP_CASES = {
+    # gpt: fused QKV blocks, tied vocab-parallel embedding/LM head; vocab 97 is padded at tp 2
+    "gpt-tp2": ("gpt-tiny", dict(vocab_size=97), 2, 2.0),
+    # llama at tp 4: 2 KV heads held by pairs of ranks (Shard replicas=2) -> counted once
+    "llama-tp4": ("llama-tiny", {}, 4, 2.0),
+    "llama-tp2-inf": ("llama-tiny", {}, 2, math.inf),
+}
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("case", list(CLIP_CASES))
+def test_clip_matches_torch(case):
+    preset, cfg, tp, norm_type = CLIP_CASES[case]
+    torch.manual_seed(0)
+    model = build(preset, **cfg)
+    x, y = _batch(model.config.vocab_size)
+    scale, max_norms = 10.0, (0.05, 1e6)  # one that clips, one that does not
+    captured = capture(model, (x, y), {})
+    per_rank = SimulatedRanks(tp).run(clip_rank, model, captured, x, y, scale, max_norms,
+                                      norm_type)
+    layouts = per_rank[0][1]
+    for i, max_norm in enumerate(max_norms):
+        want_norm, ref = torch_clip(model, x, y, scale, max_norm, norm_type)
+        results = [r[0][i] for r in per_rank]
+        norms = [r[0] for r in results]
+        assert all(torch.equal(n, norms[0]) for n in norms), "ranks disagree on the norm"
+        torch.testing.assert_close(norms[0], want_norm, rtol=1e-5, atol=0)
+        assert (want_norm > max_norm) == (max_norm < 1)  # the first case really clips
+        for name, g0 in results[0][1].items():
+            want = ref.get_parameter(name).grad
+            lay = layouts[name]
+            if isinstance(lay, shardplan.Shard):
+                got = lay.unshard([r[1][name] for r in results], want.shape[lay.dim])
+            else:
+                got = g0
+                for r in results[1:]:  # replicated gradients stay identical across ranks
+                    assert torch.equal(r[1][name], g0), name
+            atol = 1e-6 * max(want.abs().max().item(), 1e-6)  # fp32 noise of summation order
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=atol, msg=f"{max_norm} {name}")
+
+
+@pytest.mark.timeout(60)
+def test_clip_averages_over_dp_first():
+    torch.manual_seed(0)
+    model = build("gpt-tiny")
+    x, y = _batch(96)
+    want_norm, ref = torch_clip(model, x, y, 10.0, 0.05)
+    results = SimulatedRanks(2).run(clip_dp_rank, model, x, y, 10.0, 0.05)
+    for norm, grads in results:
+        torch.testing.assert_close(norm, want_norm, rtol=1e-5, atol=0)
+        for name, g in grads.items():
+            want = ref.get_parameter(name).grad
+            torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
+
+
+def test_grad_norm_of_a_plain_module_is_torchs():
+    torch.manual_seed(0)
+    model = build("gpt-tiny")
+    x, y = _batch(96)
+    model(x, y)[1].backward()
+    want = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+    torch.testing.assert_close(grad_norm(model), want, rtol=1e-6, atol=0)
+    before = [p.grad.clone() for p in model.parameters()]
+    clip_grad_norm_(model, None)  # measures only
+    assert all(torch.equal(a, p.grad) for a, p in zip(before, model.parameters()))
+
+
+# -- data and configuration ----------------------------------------------------------------
+
+def test_data_is_deterministic_and_split_by_replica(tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_bytes(bytes(range(256)) * 20)
+    for path in (None, str(text)):
+        two = TokenData(path, seq_len=8, batch_size=2, dp=2, seed=1)
+        one = TokenData(path, seq_len=8, batch_size=4, dp=1, seed=1)
+        for step in (0, 7):
+            x, y = one.global_batch(step)
+            parts = [two.batch(step, d) for d in range(2)]
+            assert torch.equal(torch.cat([p[0] for p in parts]), x)
+            assert torch.equal(torch.cat([p[1] for p in parts]), y)
+            assert torch.equal(x[:, 1:], y[:, :-1])
+            assert x.dtype == torch.int64 and 0 <= x.min() and x.max() < 256
+        assert not torch.equal(one.global_batch(0)[0], one.global_batch(1)[0])
+    x, _ = TokenData(str(text), seq_len=8, batch_size=4, dp=1, seed=1).global_batch(0)
+    assert all(((row[1:] - row[:-1]) % 256 == 1).all() for row in x)  # windows of the file
+    with pytest.raises(ConfigurationError, match="fewer than"):
+        TokenData(str(text), seq_len=6000, batch_size=1, dp=1, seed=0)
+
+
+def test_parse_args():
+    c = parse_args(["--tp", "2", "--dp", "2", "--model", "llama-tiny", "--steps", "7",
+                    "--batch-size", "3", "--seq-len", "24", "--lr", "1e-3", "--warmup", "2",
+                    "--min-lr", "1e-4", "--clip", "0.5", "--weight-decay", "0.1", "--seed", "9",
+                    "--data", "x.txt", "--save", "ck", "--save-every", "5", "--resume", "old",
+                    "--check-replicas-every", "3", "--bf16", "--log-every", "1"])
+    assert c == TrainConfig(model="llama-tiny", tp=2, dp=2, steps=7, batch_size=3, seq_len=24,
+                            lr=1e-3, warmup=2, min_lr=1e-4, clip=0.5, weight_decay=0.1, seed=9,
+                            data="x.txt", save="ck", save_every=5, resume="old",
+                            check_replicas_every=3, bf16=True, log_every=1)
+    assert parse_args([]).floor_lr == pytest.approx(TrainConfig().lr / 10)
+    with pytest.raises(ConfigurationError):
+        parse_args(["--steps", "0"])
+    with pytest.raises(ConfigurationError):
+        parse_args(["--min-lr", "1", "--lr", "0.1"])
+
+
+def test_resolve_checkpoint(tmp_path):
+    for step in (5, 20, 100):
+        (tmp_path / f"step-{step:08d}").mkdir()
+        (tmp_path / f"step-{step:08d}" / "index.json").write_text("{}")
+    (tmp_path / ".step-00000200.partial").mkdir()
+    assert resolve_checkpoint(tmp_path).name == "step-00000100"
+    assert resolve_checkpoint(tmp_path / "step-00000020").name == "step-00000020"
+    with pytest.raises(ConfigurationError, match="no checkpoint"):
+        resolve_checkpoint(tmp_path / "nothing")
+
+
+# -- training on 4 gloo processes (dp 2 x tp 2) ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tp_dp_run(real_ranks):
+    """20 steps on dp 2 x tp 2 (replicas checked every 5), then one replicated parameter
+    nudged on rank 1 and the replica check run again; every rank's report."""
+    cfg = dict(BASE, steps=20)
+    return cfg, real_ranks(4).run(trainer_rank, cfg, True)
+
+
+@pytest.mark.real
+@pytest.mark.timeout(120)
+def test_tp_dp_training_equals_unsharded(tp_dp_run):
+    cfg, runs = tp_dp_run
+    assert [(r["dp_rank"], r["tp_rank"]) for r in runs] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(r["history"] == runs[0]["history"] for r in runs), "ranks report different losses"
+    want, want_norms = reference_losses(cfg, dp=2)
+    losses = [h["loss"] for h in runs[0]["history"]]
+    assert losses[-1] < losses[0]  # it learns
+    rel_close(losses, want, 1e-5, "loss")
+    rel_close([h["grad_norm"] for h in runs[0]["history"]], want_norms, 1e-4, "grad norm")
+    lrs = [lr_schedule(i, lr=cfg["lr"], warmup=cfg["warmup"], total=cfg["steps"],
+                       min_lr=cfg["min_lr"]) for i in range(cfg["steps"])]
+    assert [h["lr"] for h in runs[0]["history"]] == lrs
+
+
+@pytest.mark.real
+@pytest.mark.timeout(120)
+def test_replicas_stay_identical(tp_dp_run):
+    _, runs = tp_dp_run
+    by_tp = {}
+    for r in runs:
+        by_tp.setdefault(r["tp_rank"], []).append(r["fingerprints"])
+        for name in r["replicated"]:  # the same on all four ranks, not just close
+            if name in r["fingerprints"]:
+                assert r["fingerprints"][name] == runs[0]["fingerprints"][name], name
+    for prints in by_tp.values():  # data-parallel replicas hold identical shards
+        assert prints[0] == prints[1]
+    # the check is live: one nudged replica on rank 1 is caught on every rank
+    assert all(r["caught"] and "drifted" in r["caught"] for r in runs), [r["caught"] for r in runs]
+
+
+@pytest.mark.real
+@pytest.mark.timeout(120)
+def test_resume_continues_exactly(real_ranks, tmp_path):
+    # dropout on: the resumed run must also restore both RNG streams of every rank
+    cfg = dict(BASE, steps=50, dropout=0.1, check_replicas_every=25)
+    first = dict(cfg, save=str(tmp_path / "ck"), save_every=25)
+    second = dict(cfg, resume=str(tmp_path / "ck" / "step-00000025"))
+    runs = real_ranks(4).run(resume_rank, first, second)
+    full, resumed = runs[0]
+    assert len(full) == 50 and len(resumed) == 25
+    assert resumed == full[25:], (resumed[:3], full[25:28])
+    assert all(r == runs[0] for r in runs)
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step-00000025",
+                                                                   "step-00000050"]
+
+
+@pytest.mark.real
+@pytest.mark.timeout(120)
+def test_bf16_autocast_is_close_to_fp32(real_ranks):
+    cfg = dict(BASE, steps=8, bf16=True)
+    runs = real_ranks(4).run(train_rank, cfg)
+    want, _ = reference_losses(dict(cfg, bf16=False), dp=2)
+    assert all(math.isfinite(x) for x in runs[0])
+    assert runs[0] != want  # bf16 really ran
+    rel_close(runs[0], want, 2e-2, "bf16 loss")
+
+
+@pytest.mark.real
+@pytest.mark.timeout(120)
+def test_factory_model_llama_tp4(real_ranks):
+    # package.module:factory, and Llama at tp 4: its 2 KV heads are held by pairs of ranks
+    cfg = dict(BASE, model="train_cases:tiny_llama", tp=4, dp=1, steps=4, dropout=None)
+    runs = real_ranks(4).run(train_rank, cfg)
+    want, _ = reference_losses(cfg, dp=1)
+    rel_close(runs[0], want, 1e-5, "llama tp4 loss")
+
+
+@pytest.mark.real
+@pytest.mark.timeout(120)
+def test_torchrun_command_line(tmp_path):
+    """The real entry point: torchrun, the default group from its environment, a data file,
+    checkpoints, logging on rank 0 only, a clean exit."""
+    text = tmp_path / "text.txt"
+    text.write_bytes(b"the quick brown fox jumps over the lazy dog. " * 50)
+    ck = tmp_path / "ck"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "shardplan.train", "--tp", "2", "--steps", "4", "--batch-size", "2",
+           "--seq-len", "16", "--warmup", "1", "--data", str(text), "--save", str(ck),
+           "--save-every", "2", "--log-every", "1", "--device", "cpu"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=110, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert len(steps) == 4 and "grad norm" in steps[0] and "tok/s" in steps[0], proc.stdout
+    assert "dp 1 x tp 2" in proc.stdout
+    assert sorted(p.name for p in ck.iterdir()) == ["step-00000002", "step-00000004"]
+    extra = json.loads((ck / "step-00000004" / "index.json").read_text())["extra"]
+    assert extra["step"] == 4 and extra["data"]["tokens"] == text.stat().st_size
+    assert set(extra["rng"]) == {"replicated", "model-parallel"}

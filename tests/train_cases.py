@@ -1,0 +1,141 @@
+"""Per-rank functions and references for tests/test_train.py (picklable for RealRanks)."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import torch
+
+import shardplan
+from shardplan.models import build
+from shardplan.optim import build_optimizer, clip_grad_norm_, lr_schedule
+from shardplan.ruleset import load_rules
+from shardplan.runtime.random import set_rng_tracker
+from shardplan.sharded import ShardedModule
+from shardplan.train import TokenData, Trainer, TrainConfig, build_model, train
+
+
+def isolated(fn):
+    """Run ``fn`` with the worker's CPU RNG restored and no tracker left (pools are shared)."""
+    @functools.wraps(fn)  # pickles by name, as the module-level function it replaces
+    def wrapper(ctx, *args):
+        try:
+            with torch.random.fork_rng(devices=[]):
+                return fn(ctx, *args)
+        finally:
+            set_rng_tracker(None)
+    return wrapper
+
+
+# -- clipping on simulated ranks ---------------------------------------------------------
+
+def clip_rank(ctx, model, captured, x, y, scale, max_norms, norm_type):
+    """Per max norm: the norm and this rank's clipped local gradients, of ``scale * loss``.
+
+    The sharded module is built from one capture made by the caller (export is
+    the slow part, and simulated ranks would take turns at it).
+    """
+    sharded = ShardedModule(copy.deepcopy(model), ctx.group, load_rules(), example=((x, y), {}),
+                            gather_output=True, strict=False, captured=copy.deepcopy(captured))
+    _, loss = sharded(x, y)
+    (scale * loss).backward()
+    params = dict(sharded.named_parameters())
+    raw = {n: p.grad.detach().clone() for n, p in params.items()}
+    out = []
+    for max_norm in max_norms:
+        for n, p in params.items():
+            p.grad.copy_(raw[n])
+        norm = clip_grad_norm_(sharded, max_norm, norm_type=norm_type)
+        out.append((norm, {n: p.grad.detach().clone() for n, p in params.items()}))
+    return out, dict(sharded.layouts)
+
+
+def clip_dp_rank(ctx, model, x, y, scale, max_norm):
+    """A plain (unsharded) replica on this rank's half of the batch; averaged and clipped."""
+    m = copy.deepcopy(model)
+    rows = x.shape[0] // ctx.world_size
+    mine = slice(ctx.rank * rows, (ctx.rank + 1) * rows)
+    _, loss = m(x[mine], y[mine])
+    (scale * loss).backward()
+    norm = clip_grad_norm_(m, max_norm, dp_group=ctx.group)
+    return norm, {n: p.grad.detach().clone() for n, p in m.named_parameters()}
+
+
+def torch_clip(model, x, y, scale, max_norm, norm_type=2.0):
+    """The unsharded reference: torch.nn.utils.clip_grad_norm_."""
+    m = copy.deepcopy(model)
+    _, loss = m(x, y)
+    (scale * loss).backward()
+    norm = torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm, norm_type=norm_type)
+    return norm, m
+
+
+# -- training on real ranks ---------------------------------------------------------------
+
+@isolated
+def train_rank(ctx, cfg: dict):
+    """``train(TrainConfig(**cfg))`` on this rank, with where the rank sits in the mesh."""
+    return train(TrainConfig(**cfg))
+
+
+@isolated
+def trainer_rank(ctx, cfg: dict, corrupt: bool):
+    """Train, then report the mesh position, the history and fingerprints of every parameter;
+    with ``corrupt``, nudge a replicated parameter on global rank 1 and run the check again."""
+    trainer = Trainer(TrainConfig(**cfg))
+    trainer.run()
+    prints = {n: (p.detach().double().sum().item(), p.detach().double().square().sum().item())
+              for n, p in trainer.sharded.named_parameters()}
+    out = {"tp_rank": trainer.tp_rank, "dp_rank": trainer.dp_rank, "history": trainer.history,
+           "fingerprints": prints,
+           "replicated": sorted(n for n, lay in trainer.sharded.layouts.items()
+                                if isinstance(lay, shardplan.Replicate))}
+    if corrupt:
+        name = next(n for n, p in trainer.sharded.named_parameters()
+                    if isinstance(trainer.sharded.layouts[n], shardplan.Replicate))
+        if ctx.rank == 1:
+            with torch.no_grad():
+                trainer.sharded.get_parameter(name).add_(1e-3)
+        try:
+            trainer.check_replicas()
+            out["caught"] = None
+        except shardplan.CommunicationError as e:
+            out["caught"] = str(e)
+    return out
+
+
+@isolated
+def resume_rank(ctx, first: dict, second: dict):
+    """Run ``first`` (which saves), then a fresh trainer from ``second`` (which resumes)."""
+    return train(TrainConfig(**first)), train(TrainConfig(**second))
+
+
+def reference_losses(cfg: dict, dp: int) -> tuple[list[float], list[float]]:
+    """One process, the unsharded model, the global batch (``batch_size * dp`` rows) per step,
+    torch's own clipping: (losses, gradient norms)."""
+    c = TrainConfig(**cfg)
+    data = TokenData(c.data, seq_len=c.seq_len, batch_size=c.batch_size * dp, dp=1, seed=c.seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(c.seed)
+        model = build_model(c)
+    model.train()
+    opt = build_optimizer(model, c.lr, weight_decay=c.weight_decay)
+    losses, norms = [], []
+    for step in range(c.steps):
+        lr = lr_schedule(step, lr=c.lr, warmup=c.warmup, total=c.steps, min_lr=c.floor_lr)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        x, y = data.global_batch(step)
+        opt.zero_grad(set_to_none=True)
+        _, loss = model(x, y)
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip).item())
+        opt.step()
+        losses.append(loss.item())
+    return losses, norms
+
+
+def tiny_llama():
+    """A MODULE:FACTORY target: the bundled Llama (GQA: 4 query, 2 KV heads), byte vocabulary."""
+    return build("llama-tiny", vocab_size=256)
