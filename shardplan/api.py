@@ -25,15 +25,12 @@ def parallelize(model: nn.Module, tp: int | None = None, *, group=None, mesh=Non
     ranks (one small broadcast and all-reduce): shards of different models
     would train silently wrong.
     """
+    check_model_arg(model)
     grp = _group(group, mesh)
     if tp is not None and tp != grp.size:
         raise ConfigurationError(
             f"tp={tp} but the process group has {grp.size} ranks",
             fix="pass tp equal to the group size, or a group (or mesh) of tp ranks")
-    if isinstance(model, ShardedModule):
-        raise ConfigurationError("this model is already parallelized",
-                                 where=type(model).__name__,
-                                 fix="parallelize the original, unsharded model once")
     _check_devices(model)
     if check_model:
         assert_same_across(grp, dict(model.named_parameters()),
@@ -44,6 +41,20 @@ def parallelize(model: nn.Module, tp: int | None = None, *, group=None, mesh=Non
     sharded = ShardedModule(model, grp, load_rules(rules), example=example,
                             gather_output=gather_output, strict=strict)
     return sharded
+
+
+def check_model_arg(model, tp=None) -> None:
+    """An unsharded ``nn.Module`` and, when given, a positive integer tp."""
+    if not isinstance(model, nn.Module):
+        raise ConfigurationError(f"expected a torch.nn.Module, got {type(model).__name__}",
+                                 fix="pass the model object (an nn.Module), not a function or class")
+    if isinstance(model, ShardedModule):
+        raise ConfigurationError("this model is already parallelized",
+                                 where=type(model).__name__,
+                                 fix="use the original, unsharded model once")
+    if tp is not None and (not isinstance(tp, int) or isinstance(tp, bool) or tp < 1):
+        raise ConfigurationError(f"tp must be a positive integer, got {tp!r}",
+                                 fix="pass the tensor-parallel size, e.g. tp=8")
 
 
 def _check_devices(model: nn.Module) -> None:

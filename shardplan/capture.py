@@ -47,7 +47,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     with their first two only (planning a deep model in seconds); the plan
     stamps block 1's decisions onto the rest.
     """
-    kwargs = dict(kwargs or {})
+    args, kwargs = _unaliased(tuple(args), dict(kwargs or {}))
     with PLANNING_LOCK, _truncated(model) if truncate else contextlib.nullcontext({}) as cut:
         try:
             gm = _export(model, args, kwargs)
@@ -66,6 +66,21 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
                         "tensor values, no .item()), or pass example_inputs matching how "
                         "you call the model") from first
     return Captured(gm, _aliases(model), cut)
+
+
+def _unaliased(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """One tensor passed as two arguments (``model(ids, ids)``) becomes two tensors:
+    export would capture it as one input and read it for both ever after."""
+    seen: set[int] = set()
+
+    def own(x):
+        if isinstance(x, torch.Tensor):
+            if id(x) in seen:
+                return x.clone()
+            seen.add(id(x))
+        return x
+
+    return (tuple(own(a) for a in args), {k: own(v) for k, v in kwargs.items()})
 
 
 def _export(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:

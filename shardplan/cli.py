@@ -18,6 +18,7 @@ import importlib
 import os
 import sys
 import warnings
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -124,6 +125,16 @@ def _cmd_verify(args) -> int:
     return 0 if report.ok else 1
 
 
+def _bench(rest: list[str]) -> int:
+    """Runs ``python -m benchmarks`` of the source checkout (benchmarks are not installed)."""
+    import subprocess
+    root = Path(__file__).resolve().parent.parent
+    if not (root / "benchmarks" / "__main__.py").is_file():
+        raise TargetError("the benchmarks live in shardplan's source checkout (benchmarks/); "
+                          "install with `pip install -e .` from a clone to run them")
+    return subprocess.call([sys.executable, "-m", "benchmarks", *rest], cwd=root)
+
+
 def _cmd_smoke(args) -> int:
     from . import smoke
     return smoke.main()
@@ -162,6 +173,9 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("b", metavar="B.json")
     d.set_defaults(run=_cmd_diff)
 
+    sub.add_parser("bench", help="run the benchmarks and update docs/benchmarks.md "
+                                 "(arguments go to python -m benchmarks; bench --help lists them)")
+
     s = sub.add_parser("smoke", help="smoke run: train the bundled GPT at tp=2 on gloo, compare")
     s.set_defaults(run=_cmd_smoke)
 
@@ -174,6 +188,13 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # everything after it belongs to python -m benchmarks
+        try:
+            return _bench(argv[1:])
+        except TargetError as e:
+            print(f"shardplan: error: {e}", file=sys.stderr)
+            return 2
     args = parser().parse_args(argv)
     # torch's own pytree deprecation, raised inside torch when a graph is deep-copied
     warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)

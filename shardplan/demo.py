@@ -1,33 +1,31 @@
 """``shardplan demo``: the main job in one command, on a laptop's CPU.
 
-    shardplan demo                       # tp=2, two gloo processes, ~1-2 minutes
+    shardplan demo                       # tp=2: two gloo processes, about a minute
     shardplan demo --tp 2 --dp 2 --size tiny --steps 60 --out /tmp/demo
 
 1. plans the bundled GPT (byte tokens, sized for text) and prints the memory
    and communication summary of the layout report;
-2. starts ``tp * dp`` gloo worker processes (``RealRanks``) and trains the
-   sharded model on the public-domain corpus bundled in ``shardplan.data``
-   (AdamW, weight decay 0.01, gradient clipping at 1.0, warm-up then cosine),
-   with a progress line;
-3. trains the unsharded model on the same batches in this process and
-   compares the two loss curves step by step;
+2. starts ``tp * dp`` gloo worker processes (``RealRanks``), each running a
+   ``shardplan.train.Trainer`` (the training entry point: the tp x dp mesh,
+   AdamW with weight decay 0.01, warm-up then cosine, global-norm clipping at
+   1.0 that counts replicated gradients once, gradients averaged over the dp
+   replicas) on the public-domain corpus bundled in ``shardplan.data``, one
+   step at a time behind a progress line;
+3. trains the unsharded model on the same batches in this process (the same
+   optimizer, schedule and clipping from ``shardplan.optim``) and compares
+   the two loss curves step by step;
 4. writes ``loss.png``, ``plan.json``, ``summary.md`` and ``summary.json``
    into the output folder.
 
-Exit status 0 when the curves agree within fp32 tolerance, 1 when not.
-
-With ``--dp`` > 1, rank ``r`` is tensor-parallel rank ``r % tp`` of data-
-parallel replica ``r // tp``; each replica takes its slice of the global batch
-and gradients (and the logged loss) are averaged over the replicas before
-clipping and the optimizer step, so the run is the unsharded run on the whole
-batch. Nothing here needs matplotlib or tqdm: the progress line and the PNG
-(``write_png``, ``plot_curves``) are written by hand.
+Exit status 0 when the curves agree within fp32 tolerance, 1 when not, 2 for
+bad options. Nothing here needs matplotlib or tqdm: the progress line and the
+PNG (``write_png``, ``plot_curves``) are written by hand.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
+import contextlib
 import json
 import math
 import os
@@ -46,21 +44,32 @@ SIZES = {
 }
 CORPUS = "corpus.txt"  # in the shardplan.data package
 PLOT_SIZE = (800, 480)
-#: two fp32 runs of the same math, summed in different orders, agree this well
-#: (per step: |sharded - unsharded| <= ATOL + RTOL * |unsharded|)
-ATOL, RTOL = 1e-3, 1e-4
+#: Two fp32 runs of the same math, summed in different orders, agree to rounding
+#: (~1e-6) at first; training can amplify that later (Adam, a loss spike), so
+#: a step's |sharded - unsharded| must be within ATOL + RTOL * |unsharded| with
+#: the tight pair for the first EARLY_STEPS steps and the loose one after.
+#: Measured with the defaults: <= 6e-5 over 150 steps (seeds 0-2); a clipping
+#: norm that counts replicated gradients on every rank fails at step 3 or 4.
+EARLY_STEPS = 10
+TOLERANCE = {"early": (1e-4, 1e-4), "later": (5e-3, 1e-3)}  # (atol, rtol)
+
+
+def within_tolerance(step: int, sharded: float, unsharded: float) -> bool:
+    """Does step ``step`` (from 1) of the two curves agree? (NaN never does.)"""
+    atol, rtol = TOLERANCE["early" if step <= EARLY_STEPS else "later"]
+    return abs(sharded - unsharded) <= atol + rtol * abs(unsharded)
 
 
 @dataclass
 class DemoConfig:
     tp: int = 2
     dp: int = 1
-    steps: int = 120
+    steps: int = 150
     size: str = "small"
     out: str = "shardplan-demo"
     seed: int = 0
-    batch: int = 16  # global: split over the dp replicas
-    lr: float = 3e-3
+    batch: int = 16  # sequences per step, all replicas together
+    lr: float = 2e-3
     weight_decay: float = 0.01
     clip: float = 1.0
 
@@ -69,177 +78,69 @@ class DemoConfig:
         return SIZES[self.size]["block_size"]
 
     @property
-    def warmup(self) -> int:
-        return max(1, self.steps // 10)
+    def warmup(self) -> int:  # a fifth of the run: no loss spike at the peak to amplify
+        return max(1, self.steps // 5)
 
 
-# -- data -----------------------------------------------------------------
-
-def load_corpus() -> torch.Tensor:
-    """The bundled corpus as byte tokens (uint8)."""
-    from importlib import resources
-    raw = resources.files("shardplan.data").joinpath(CORPUS).read_bytes()
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-
-
-def get_batch(data: torch.Tensor, step: int, cfg: DemoConfig):
-    """Step ``step``'s global batch ``(x, y)``: random windows, the same on every rank."""
-    g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-    starts = torch.randint(0, len(data) - cfg.block - 1, (cfg.batch,), generator=g).tolist()
-    x = torch.stack([data[i:i + cfg.block] for i in starts]).long()
-    y = torch.stack([data[i + 1:i + 1 + cfg.block] for i in starts]).long()
-    return x, y
-
-
-# -- the model and one training step (shared by both runs) ----------------
-
-def build_model(cfg: DemoConfig):
+def gpt_tiny():
+    """The demo's tiny GPT (for ``TrainConfig.model``: ``shardplan.demo:gpt_tiny``)."""
     from .models import build
-    torch.manual_seed(cfg.seed)
-    return build("gpt-tiny", **SIZES[cfg.size])
+    return build("gpt-tiny", **SIZES["tiny"])
 
 
-def make_optimizer(model, cfg: DemoConfig) -> torch.optim.Optimizer:
-    """AdamW; matrices decay, biases and norms do not (as in nanoGPT/Megatron)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    other = [p for p in params if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                              {"params": other, "weight_decay": 0.0}],
-                             lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+def gpt_small():
+    """The demo's small GPT (``shardplan.demo:gpt_small``)."""
+    from .models import build
+    return build("gpt-tiny", **SIZES["small"])
 
 
-def lr_at(step: int, cfg: DemoConfig) -> float:
-    """Linear warm-up to ``cfg.lr``, then cosine down to a tenth of it (step from 0)."""
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+def train_config(cfg: DemoConfig, data: str):
+    """The ``shardplan.train.TrainConfig`` of every rank."""
+    from .train import TrainConfig
+    return TrainConfig(model=f"{__name__}:gpt_{cfg.size}", tp=cfg.tp, dp=cfg.dp,
+                       steps=cfg.steps, batch_size=cfg.batch // cfg.dp, seq_len=cfg.block,
+                       lr=cfg.lr, warmup=cfg.warmup, clip=cfg.clip,
+                       weight_decay=cfg.weight_decay, seed=cfg.seed, data=data,
+                       log_every=0, device="cpu")
 
 
-def tp_clip_grad_norm_(model, max_norm: float, group) -> torch.Tensor:
-    """Clip a tensor-parallel model's gradients by their global norm.
-
-    Each gradient element is counted once over the group: split parameters
-    contribute their shard on every rank, replicated ones only on rank 0
-    (and a shard held by ``replicas`` ranks only on the first of them).
-    One all-reduce. Returns the norm before clipping (the same on every rank).
-    """
-    from .layouts import Replicate, Shard
-    grads, mine = [], []
-    for name, p in model.named_parameters():
-        if p.grad is None:
-            continue
-        grads.append(p.grad)
-        lay = model.layouts.get(name, Replicate())
-        copies = lay.replicas if isinstance(lay, Shard) else group.size
-        if group.rank % copies == 0:
-            mine.append(p.grad.detach().double().square().sum())
-    sq = torch.stack(mine).sum() if mine else torch.zeros((), dtype=torch.float64)
-    total = group.all_reduce(sq.reshape(1), site="demo: grad norm").sqrt().float()[0]
-    _scale(grads, max_norm, total)
-    return total
-
-
-def _clip_grad_norm_(model, max_norm: float) -> torch.Tensor:
-    """The unsharded twin of ``tp_clip_grad_norm_`` (same fp64 sum, same scaling)."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    total = torch.stack([g.detach().double().square().sum() for g in grads]).sum().sqrt().float()
-    _scale(grads, max_norm, total)
-    return total
-
-
-def _scale(grads, max_norm: float, total: torch.Tensor) -> None:
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
-        g.mul_(coef)
-
-
-def train_step(model, opt, x, y, step: int, cfg: DemoConfig, clip, average=None):
-    """Forward, backward, (average over dp), clip, AdamW step; (loss, grad norm)."""
-    for group in opt.param_groups:
-        group["lr"] = lr_at(step, cfg)
-    _, loss = model(x, y)
-    loss.backward()
-    loss = loss.detach()
-    if average is not None:
-        loss = average(loss)
-    norm = clip(model, cfg.clip)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return float(loss), float(norm)
+@contextlib.contextmanager
+def corpus_path():
+    """A file path of the bundled corpus (extracted if the package is zipped)."""
+    from importlib import resources
+    with resources.as_file(resources.files("shardplan.data").joinpath(CORPUS)) as path:
+        yield str(path)
 
 
 # -- on each rank (top-level: RealRanks pickles them by name) -------------
 
-_RANK: dict = {}  # this worker's model, optimizer and groups, between runs
+_RANK: dict = {}  # this worker's Trainer, between runs
 
 
-def _rank_setup(ctx, cfg: DemoConfig, data: torch.Tensor) -> dict:
-    import torch.distributed as dist
-    import shardplan
-    from .runtime.comm import TorchGroup
+def _rank_setup(ctx, tc) -> int:
+    from .train import Trainer
     _RANK.clear()
-    tp_rank, dp_rank = ctx.rank % cfg.tp, ctx.rank // cfg.tp
-    if cfg.dp == 1:
-        tp_group, dp_group = ctx.group, None
-    else:  # every rank creates every group, in the same order
-        tp_group = dp_group = None
-        for d in range(cfg.dp):
-            pg = dist.new_group([d * cfg.tp + t for t in range(cfg.tp)])
-            if d == dp_rank:
-                tp_group = TorchGroup(pg)
-        for t in range(cfg.tp):
-            pg = dist.new_group([d * cfg.tp + t for d in range(cfg.dp)])
-            if t == tp_rank:
-                dp_group = TorchGroup(pg)
-    model = build_model(cfg)
-    x, y = _local(get_batch(data, 0, cfg), dp_rank, cfg)
-    sharded = shardplan.parallelize(model, group=tp_group, example_inputs=(x, y))
-    _RANK.update(model=sharded, opt=make_optimizer(sharded, cfg), cfg=cfg, data=data,
-                 tp_group=tp_group, dp_group=dp_group, dp_rank=dp_rank)
-    return {"tp_rank": tp_group.rank, "dp_rank": dp_rank,
-            "local_params": sum(p.numel() for p in sharded.parameters())}
+    _RANK["trainer"] = Trainer(tc)
+    return sum(p.numel() for p in _RANK["trainer"].sharded.parameters())
 
 
-def _rank_steps(ctx, start: int, n: int) -> list[tuple[float, float]]:
-    s = _RANK
-    cfg, model, tp_group, dp_group = s["cfg"], s["model"], s["tp_group"], s["dp_group"]
-    average = None if dp_group is None else (lambda loss: _dp_average(model, loss, dp_group))
-    out = []
-    for step in range(start, start + n):
-        x, y = _local(get_batch(s["data"], step, cfg), s["dp_rank"], cfg)
-        out.append(train_step(model, s["opt"], x, y, step, cfg,
-                              lambda m, c: tp_clip_grad_norm_(m, c, tp_group), average))
-    return out
+def _rank_steps(ctx, n: int) -> list[tuple[float, float]]:
+    trainer = _RANK["trainer"]
+    return [(r["loss"], r["grad_norm"]) for r in (trainer.train_step() for _ in range(n))]
 
 
 def _rank_close(ctx) -> None:
-    _RANK.clear()
-
-
-def _local(batch, dp_rank: int, cfg: DemoConfig):
-    """This data-parallel replica's rows of the global batch."""
-    rows = cfg.batch // cfg.dp
-    return tuple(t[dp_rank * rows:(dp_rank + 1) * rows] for t in batch)
-
-
-def _dp_average(model, loss: torch.Tensor, group) -> torch.Tensor:
-    """Average every gradient and the loss over the dp group: one all-reduce."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads] + [loss.reshape(1).to(grads[0].dtype)])
-    flat = group.all_reduce(flat, site="demo: dp gradient average") / group.size
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
-    return flat[-1]
+    """Replicated parameters still equal on every rank (raises on every rank if not)."""
+    try:
+        _RANK["trainer"].check_replicas()
+    finally:
+        _RANK.clear()
 
 
 # -- progress line ----------------------------------------------------------
 
 class Progress:
-    """One line redrawn with ``\\r`` on a terminal; a line every ~10% otherwise."""
+    """One line redrawn with ``\r`` on a terminal; a line every ~10% otherwise."""
 
     def __init__(self, total: int, label: str, stream=None, width: int = 24):
         self.total, self.label, self.width = total, label, width
@@ -248,15 +149,15 @@ class Progress:
         self.every = max(1, total // 10)
 
     def update(self, done: int, loss: float, tok_s: float) -> None:
-        text = (f"{self.label} {done:>{len(str(self.total))}}/{self.total} "
+        text = (f"{done:>{len(str(self.total))}}/{self.total} "
                 f"loss {loss:7.4f}  {tok_s:8,.0f} tok/s")
         if self.tty:
             fill = self.width * done // self.total
             bar = "#" * fill + "." * (self.width - fill)
-            self.stream.write(f"\r{self.label} [{bar}] {text[len(self.label) + 1:]}\x1b[K")
+            self.stream.write(f"\r{self.label} [{bar}] {text}\x1b[K")
             self.stream.flush()
         elif done == 1 or done % self.every == 0 or done == self.total:
-            self.stream.write(text + "\n")
+            self.stream.write(f"{self.label} {text}\n")
             self.stream.flush()
 
     def close(self) -> None:
@@ -265,58 +166,86 @@ class Progress:
             self.stream.flush()
 
 
-# -- the demo -------------------------------------------------------------
+# -- the two runs -----------------------------------------------------------
 
-def _plan_summary(plan) -> str:
-    """The report's header, memory and communication; the per-parameter table counted."""
-    text = plan.report()
-    head = text.split("\nparameters (layout:")[0].rstrip()
-    kinds: dict[str, int] = {}
-    for p in plan.params:
-        kind = "replicated" if p.layout == "R" else "split"
-        kinds[kind] = kinds.get(kind, 0) + 1
-    listed = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items(), reverse=True))
-    return f"{head}\nparameter tensors: {listed} (every layout in plan.json)"
-
-
-def _train_sharded(cfg: DemoConfig, data: torch.Tensor, ranks) -> tuple[list, float]:
-    ranks.run(_rank_setup, cfg, data)
+def _train_sharded(cfg: DemoConfig, tc, ranks, times: dict) -> list[tuple[float, float]]:
+    t0 = time.perf_counter()
+    ranks.run(_rank_setup, tc)
+    times["parallelize"] = time.perf_counter() - t0
     bar = Progress(cfg.steps, f"tp={cfg.tp} dp={cfg.dp}")
     curve, t_train = [], 0.0
     for step in range(cfg.steps):
         t0 = time.perf_counter()
-        curve.append(ranks.run(_rank_steps, step, 1)[0][0])
+        curve += ranks.run(_rank_steps, 1)[0]
         t_train += time.perf_counter() - t0
         bar.update(step + 1, curve[-1][0], (step + 1) * cfg.batch * cfg.block / t_train)
     bar.close()
+    times["train_sharded"] = t_train
+    t0 = time.perf_counter()
     ranks.run(_rank_close)
-    return curve, t_train
+    times["check_replicas"] = time.perf_counter() - t0
+    return curve
 
 
-def _train_unsharded(cfg: DemoConfig, data: torch.Tensor, model) -> tuple[list, float]:
-    opt = make_optimizer(model, cfg)
+def _train_unsharded(cfg: DemoConfig, tc, model, times: dict) -> list[tuple[float, float]]:
+    """The plain model in this process, on one thread like each rank (intra-op threads
+    on a busy machine can be many times slower than one): what ``Trainer.train_step``
+    does, without parallelism."""
+    from .optim import build_optimizer, clip_grad_norm_, lr_schedule
+    from .train import TokenData
+    data = TokenData(tc.data, seq_len=tc.seq_len, batch_size=cfg.batch, dp=1, seed=tc.seed)
+    opt = build_optimizer(model, tc.lr, weight_decay=tc.weight_decay)
     bar = Progress(cfg.steps, "unsharded")
     curve, t_train = [], 0.0
-    for step in range(cfg.steps):
-        t0 = time.perf_counter()
-        x, y = get_batch(data, step, cfg)
-        curve.append(train_step(model, opt, x, y, step, cfg, _clip_grad_norm_))
-        t_train += time.perf_counter() - t0
-        bar.update(step + 1, curve[-1][0], (step + 1) * cfg.batch * cfg.block / t_train)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    model.train()
+    try:
+        for step in range(cfg.steps):
+            t0 = time.perf_counter()
+            for group in opt.param_groups:
+                group["lr"] = lr_schedule(step, lr=tc.lr, warmup=tc.warmup, total=tc.steps,
+                                          min_lr=tc.floor_lr)
+            x, y = data.global_batch(step)  # every replica's rows, in order
+            opt.zero_grad(set_to_none=True)
+            _, loss = model(x, y)
+            loss.backward()
+            norm = clip_grad_norm_(model, tc.clip)
+            opt.step()
+            curve.append((loss.item(), norm.item()))
+            t_train += time.perf_counter() - t0
+            bar.update(step + 1, curve[-1][0], (step + 1) * cfg.batch * cfg.block / t_train)
+    finally:
+        torch.set_num_threads(threads)
     bar.close()
-    return curve, t_train
+    times["train_unsharded"] = t_train
+    return curve
+
+
+# -- the demo -------------------------------------------------------------
+
+def _plan_summary(plan) -> str:
+    """The report's header, memory and communication; the per-parameter table counted."""
+    head = plan.report().split("\nparameters (layout:")[0].rstrip()
+    split = sum(p.layout != "R" for p in plan.params)
+    text = (f"{head}\nparameter tensors: {split} split, {len(plan.params) - split} replicated "
+            "(every layout in plan.json)")
+    if plan.count(purpose="gather_output"):
+        text += ("\n(training asks for the loss only, gather_output=False: the gather_output "
+                 "all-gather does not run)")
+    return text
 
 
 def check(cfg: DemoConfig) -> None:
     from .errors import ConfigurationError
     if cfg.size not in SIZES:
         raise ConfigurationError(f"unknown size {cfg.size!r}", fix=f"use one of {', '.join(SIZES)}")
-    if cfg.tp < 1 or cfg.dp < 1 or cfg.steps < 1:
-        raise ConfigurationError(f"--tp, --dp and --steps must be positive, got "
-                                 f"tp={cfg.tp} dp={cfg.dp} steps={cfg.steps}")
+    if cfg.tp < 1 or cfg.dp < 1 or cfg.steps < 1 or cfg.batch < 1:
+        raise ConfigurationError(f"--tp, --dp, --steps and --batch must be positive, got "
+                                 f"tp={cfg.tp} dp={cfg.dp} steps={cfg.steps} batch={cfg.batch}")
     if cfg.batch % cfg.dp:
-        raise ConfigurationError(f"the batch of {cfg.batch} sequences does not split over dp={cfg.dp}",
-                                 fix="pick --dp dividing --batch")
+        raise ConfigurationError(f"the batch of {cfg.batch} sequences does not split over "
+                                 f"dp={cfg.dp}", fix="pick --dp dividing --batch")
     heads = SIZES[cfg.size]["n_head"]
     if heads % cfg.tp:
         raise ConfigurationError(f"tp={cfg.tp} does not divide the {heads} attention heads "
@@ -325,58 +254,73 @@ def check(cfg: DemoConfig) -> None:
 
 def run(cfg: DemoConfig) -> int:
     """The whole demo; returns the exit status (0: the curves agree)."""
+    with corpus_path() as data:
+        return _run(cfg, data)
+
+
+def _run(cfg: DemoConfig, data: str) -> int:
     import shardplan
     from .ranks import RealRanks
+    from .train import TokenData, build_model
     check(cfg)
     t_start = time.perf_counter()
-    data = load_corpus()
-    model = build_model(cfg)
+    os.makedirs(cfg.out, exist_ok=True)
+    tc = train_config(cfg, data)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(tc.seed)  # as every rank's Trainer does: the same initial weights
+        model = build_model(tc)
     n_params = sum(p.numel() for p in model.parameters())
-    example = _local(get_batch(data, 0, cfg), 0, cfg)
-    plan = shardplan.plan(model, cfg.tp, example_inputs=example)
-    print(f"shardplan demo: GPT {cfg.size} ({n_params / 1e6:.2f} M parameters, "
-          f"{SIZES[cfg.size]['n_layer']} layers, n_embd {SIZES[cfg.size]['n_embd']}, "
-          f"byte tokens), {len(data) / 1024:.0f} KiB of text, "
-          f"{cfg.steps} steps of {cfg.batch} x {cfg.block} tokens\n")
+    corpus = TokenData(data, seq_len=tc.seq_len, batch_size=tc.batch_size, dp=cfg.dp,
+                       seed=tc.seed)
+    plan = shardplan.plan(model, cfg.tp, example_inputs=corpus.batch(0, 0))
+    times = {"plan": time.perf_counter() - t_start}
+    m = SIZES[cfg.size]
+    print(f"shardplan demo: GPT {cfg.size} ({n_params / 1e6:.2f} M parameters, {m['n_layer']} "
+          f"layers, n_embd {m['n_embd']}, byte tokens), {len(corpus.tokens) / 1024:.0f} KiB of "
+          f"public-domain text, {cfg.steps} steps of {cfg.batch} x {cfg.block} tokens\n")
     print(_plan_summary(plan))
     world = cfg.tp * cfg.dp
     print(f"\nstarting {world} gloo processes (tp={cfg.tp} x dp={cfg.dp}) ...", flush=True)
     t0 = time.perf_counter()
     with RealRanks(world) as ranks:
         ranks.start()
-        spawn = time.perf_counter() - t0
-        sharded, t_sharded = _train_sharded(cfg, data, ranks)
-    unsharded, t_unsharded = _train_unsharded(cfg, data, model)
+        times["start_ranks"] = time.perf_counter() - t0
+        sharded = _train_sharded(cfg, tc, ranks, times)
+    unsharded = _train_unsharded(cfg, tc, model, times)
+
     a = [loss for loss, _ in sharded]
     b = [loss for loss, _ in unsharded]
     diffs = [abs(u - v) for u, v in zip(a, b)]
-    bad = [i for i, (u, v) in enumerate(zip(a, b)) if abs(u - v) > ATOL + RTOL * abs(v)
-           or not math.isfinite(u)]
+    bad = [i + 1 for i, (u, v) in enumerate(zip(a, b))  # steps from 1, as plotted
+           if not within_tolerance(i + 1, u, v)]
     ok = not bad
     tokens = cfg.batch * cfg.block
-    os.makedirs(cfg.out, exist_ok=True)
     files = {name: os.path.join(cfg.out, name)
              for name in ("loss.png", "plan.json", "summary.json", "summary.md")}
     width, height = PLOT_SIZE
-    title = (f"shardplan demo: GPT {cfg.size}, tp={cfg.tp} dp={cfg.dp} vs unsharded, "
-             f"max |Δloss| {max(diffs):.1e}")
-    plot_curves(files["loss.png"], [(f"unsharded", b, (240, 150, 40), 5),
+    plot_curves(files["loss.png"], [("unsharded", b, (240, 150, 40), 5),
                                     (f"tp={cfg.tp} dp={cfg.dp} ({world} gloo processes)",
                                      a, (30, 70, 200), 1)],
-                title=title, xlabel="step", ylabel="loss", size=PLOT_SIZE)
+                title=f"shardplan demo: GPT {cfg.size}, training loss",
+                note=f"max |Δloss| {max(diffs):.1e}: {'match' if ok else 'DISAGREE'}",
+                xlabel="step", ylabel="loss", size=PLOT_SIZE)
     with open(files["plan.json"], "w") as f:
         f.write(plan.to_json())
+    times["total"] = time.perf_counter() - t_start
     summary = {
-        "config": asdict(cfg), "model": dict(SIZES[cfg.size], parameters=n_params),
-        "corpus_bytes": len(data), "tokens_per_step": tokens,
+        "config": asdict(cfg), "model": dict(m, parameters=n_params),
+        "corpus_bytes": len(corpus.tokens), "tokens_per_step": tokens,
         "losses": {"sharded": a, "unsharded": b},
         "grad_norms": {"sharded": [n for _, n in sharded], "unsharded": [n for _, n in unsharded]},
-        "max_abs_diff": max(diffs), "tolerance": {"atol": ATOL, "rtol": RTOL},
+        "max_abs_diff": max(diffs),
+        "tolerance": {"early_steps": EARLY_STEPS,
+                      **{k: {"atol": at, "rtol": rt} for k, (at, rt) in TOLERANCE.items()}},
+        "max_grad_norm_rel_diff": max(abs(u - v) / max(abs(v), 1e-12)
+                                      for (_, u), (_, v) in zip(sharded, unsharded)),
         "steps_out_of_tolerance": bad, "match": ok,
-        "tokens_per_s": {"sharded": cfg.steps * tokens / t_sharded,
-                         "unsharded": cfg.steps * tokens / t_unsharded},
-        "seconds": {"spawn": spawn, "sharded": t_sharded, "unsharded": t_unsharded,
-                    "total": time.perf_counter() - t_start},
+        "tokens_per_s": {"sharded": cfg.steps * tokens / times["train_sharded"],
+                         "unsharded": cfg.steps * tokens / times["train_unsharded"]},
+        "seconds": times,
         "plan": {"param_bytes_per_rank": plan.memory.param_bytes_per_rank,
                  "param_bytes_unsharded": plan.memory.param_bytes_unsharded,
                  "collectives_per_step": len(plan.collectives),
@@ -392,39 +336,51 @@ def run(cfg: DemoConfig) -> int:
                f"the curves DISAGREE at {len(bad)} steps (first: step {bad[0]})")
     print(f"\nfinal loss: tp={cfg.tp} dp={cfg.dp} {a[-1]:.4f}, unsharded {b[-1]:.4f}; "
           f"max |Δloss| over {cfg.steps} steps = {max(diffs):.2e} "
-          f"(tolerance {ATOL:g} + {RTOL:g}·|loss|): {verdict}")
+          f"(tolerance {_tolerance_text()}): {verdict}")
+    print("seconds: " + ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in times.items()))
     print(f"wrote {', '.join(files.values())}")
     return 0 if ok else 1
 
 
+def _tolerance_text() -> str:
+    (ea, er), (la, lr) = TOLERANCE["early"], TOLERANCE["later"]
+    return (f"{ea:g} + {er:g}·|loss| for the first {EARLY_STEPS} steps, "
+            f"{la:g} + {lr:g}·|loss| after")
+
+
 def _markdown(s: dict) -> str:
-    c, p = s["config"], s["plan"]
-    a, b = s["losses"]["sharded"], s["losses"]["unsharded"]
     from .report import human
+    c, p, m = s["config"], s["plan"], s["model"]
+    a, b = s["losses"]["sharded"], s["losses"]["unsharded"]
     rows = sorted({0, len(a) // 4, len(a) // 2, 3 * len(a) // 4, len(a) - 1})
-    table = "\n".join(f"| {i} | {a[i]:.6f} | {b[i]:.6f} | {abs(a[i] - b[i]):.2e} |" for i in rows)
-    verdict = "match" if s["match"] else "**DISAGREE**"
+    table = "\n".join(f"| {i + 1} | {a[i]:.6f} | {b[i]:.6f} | {abs(a[i] - b[i]):.2e} |"
+                      for i in rows)
+    verdict = "match" if s["match"] else f"DISAGREE (steps {s['steps_out_of_tolerance'][:10]})"
+    sec = ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in s["seconds"].items())
     return f"""# shardplan demo
 
-GPT {c['size']} ({s['model']['parameters']:,} parameters, {s['model']['n_layer']} layers,
-n_embd {s['model']['n_embd']}, byte tokens) trained {c['steps']} steps on
-{s['corpus_bytes']:,} bytes of public-domain text, {s['tokens_per_step']} tokens per step
-(AdamW lr {c['lr']:g}, weight decay {c['weight_decay']:g}, clipping {c['clip']:g}, seed {c['seed']}).
+GPT {c['size']}: {m['parameters']:,} parameters, {m['n_layer']} layers, n_embd {m['n_embd']},
+{m['n_head']} heads, byte tokens (vocabulary {m['vocab_size']}), context {m['block_size']}.
+Trained {c['steps']} steps of {s['tokens_per_step']} tokens on {s['corpus_bytes']:,} bytes of
+public-domain text (`shardplan/data/corpus.txt`): AdamW, lr {c['lr']:g} with warm-up and cosine
+decay, weight decay {c['weight_decay']:g}, gradient clipping at {c['clip']:g}, seed {c['seed']}.
 
-- sharded: tp={c['tp']} x dp={c['dp']} on {c['tp'] * c['dp']} gloo processes,
-  {s['tokens_per_s']['sharded']:,.0f} tokens/s
-- unsharded: one process, {s['tokens_per_s']['unsharded']:,.0f} tokens/s
-- loss curves: **{verdict}**, max |Δloss| = {s['max_abs_diff']:.2e}
-  (tolerance {s['tolerance']['atol']:g} + {s['tolerance']['rtol']:g}·|loss| per step)
-- plan: parameters per rank {human(p['param_bytes_per_rank'])} of
-  {human(p['param_bytes_unsharded'])} unsharded; {p['collectives_per_step']} collectives,
-  {human(p['comm_bytes_per_step'])} per step and tp group
+- **Loss curves: {verdict}.** Max |Δloss| {s['max_abs_diff']:.2e}; tolerance per step
+  {_tolerance_text()}.
+- Sharded: tp={c['tp']} x dp={c['dp']}, {c['tp'] * c['dp']} gloo processes,
+  {s['tokens_per_s']['sharded']:,.0f} tokens/s.
+- Unsharded: this process, one thread, {s['tokens_per_s']['unsharded']:,.0f} tokens/s.
+- Plan: parameters per rank {human(p['param_bytes_per_rank'])} of
+  {human(p['param_bytes_unsharded'])} unsharded; per step and tp group
+  {p['collectives_per_step']} collectives moving {human(p['comm_bytes_per_step'])}.
+- Seconds: {sec}.
 
 | step | tp={c['tp']} dp={c['dp']} | unsharded | abs diff |
 |---:|---:|---:|---:|
 {table}
 
-Files: `loss.png` (both curves), `plan.json` (`shardplan.Plan.from_json`), `summary.json`.
+Files: `loss.png` (both curves), `plan.json` (load with `shardplan.Plan.from_json`),
+`summary.json` (every loss and gradient norm).
 """
 
 
@@ -575,12 +531,8 @@ def nice_ticks(lo: float, hi: float, target: int = 6) -> list[float]:
     raw = (hi - lo) / max(1, target)
     mag = 10 ** math.floor(math.log10(raw))
     step = next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
-    first = math.floor(lo / step) * step
-    ticks, t = [], first
-    while t <= hi + step * 0.5:
-        ticks.append(round(t, 10))
-        t += step
-    return ticks
+    first, last = math.floor(lo / step + 1e-9), math.ceil(hi / step - 1e-9)
+    return [round(k * step, 10) for k in range(first, max(last, first + 1) + 1)]
 
 
 def _fmt(v: float, step: float) -> str:
@@ -588,20 +540,22 @@ def _fmt(v: float, step: float) -> str:
     return f"{v:.{digits}f}"
 
 
-def plot_curves(path: str, series, *, title: str = "", xlabel: str = "", ylabel: str = "",
-                size: tuple[int, int] = PLOT_SIZE) -> None:
-    """A line chart of ``series``: ``(label, ys, rgb, pen width)``, x = 1..len(ys)."""
+def plot_curves(path: str, series, *, title: str = "", note: str = "", xlabel: str = "",
+                ylabel: str = "", size: tuple[int, int] = PLOT_SIZE) -> None:
+    """A line chart of ``series``: ``(label, ys, rgb, pen width)``, x = 1..len(ys).
+
+    ``note`` goes under the legend."""
     width, height = size
     cv = Canvas(width, height)
     ink, grid, muted = (30, 30, 30), (225, 225, 225), (90, 90, 90)
-    left, right, top, bottom = 78, 20, 44, 56
+    left, right, top, bottom = 78, 30, 44, 56
     x0, x1, y0, y1 = left, width - right, top, height - bottom  # plot box; y0 on top
     n = max(len(ys) for _, ys, _, _ in series)
     values = [v for _, ys, _, _ in series for v in ys if math.isfinite(v)] or [0.0, 1.0]
     yt = nice_ticks(min(values), max(values))
     ylo, yhi = yt[0], yt[-1]
-    xt = [t for t in nice_ticks(0, n, 8) if t >= 0] or [0, 1]
-    xlo, xhi = 0.0, max(float(xt[-1]), 1.0)
+    xlo, xhi = 0.0, float(max(n, 1))
+    xt = [t for t in nice_ticks(0, xhi, 8) if 0 <= t <= xhi]
 
     def px(step: float) -> float:
         return x0 + (step - xlo) / (xhi - xlo) * (x1 - x0)
@@ -631,13 +585,17 @@ def plot_curves(path: str, series, *, title: str = "", xlabel: str = "", ylabel:
             cv.rect(round(pts[0][0]) - 2, round(pts[0][1]) - 2,
                     round(pts[0][0]) + 2, round(pts[0][1]) + 2, color)
     # legend, top right inside the box
-    lw = max(cv.text_width(label) for label, *_ in series) + 56
+    lw = max(cv.text_width(s) for s in [label for label, *_ in series] + [note]) + 56
     lx, ly = x1 - lw - 10, y0 + 10
-    cv.rect(lx, ly, lx + lw, ly + 10 + 24 * len(series), (255, 255, 255))
+    rows = len(series) + bool(note)
+    cv.rect(lx, ly, lx + lw, ly + 10 + 24 * rows, (200, 200, 200))
+    cv.rect(lx + 1, ly + 1, lx + lw - 1, ly + 9 + 24 * rows, (255, 255, 255))
     for i, (label, _, color, pen) in enumerate(series):
         yy = ly + 12 + 24 * i
         cv.line(lx + 8, yy + 6, lx + 40, yy + 6, color, max(pen, 2))
         cv.text(lx + 48, yy, label, ink)
+    if note:
+        cv.text(lx + 48, ly + 12 + 24 * len(series), note, muted)
     cv.text(max(4, (width - cv.text_width(title)) // 2), 14, title, ink)
     cv.text((x0 + x1 - cv.text_width(xlabel)) // 2, height - 22, xlabel, muted)
     cv.text_up(12, (y0 + y1 + cv.text_width(ylabel)) // 2, ylabel, muted)
@@ -651,7 +609,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--tp", type=int, default=d.tp, help=f"tensor-parallel size (default {d.tp})")
     ap.add_argument("--dp", type=int, default=d.dp,
                     help=f"data-parallel replicas: tp*dp gloo processes (default {d.dp})")
-    ap.add_argument("--steps", type=int, default=d.steps, help=f"training steps (default {d.steps})")
+    ap.add_argument("--steps", type=int, default=d.steps,
+                    help=f"training steps (default {d.steps})")
     ap.add_argument("--size", choices=list(SIZES), default=d.size,
                     help=f"model size (default {d.size})")
     ap.add_argument("--batch", type=int, default=d.batch,
@@ -659,7 +618,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          f"split over dp (default {d.batch})")
     ap.add_argument("--out", default=d.out, metavar="DIR",
                     help=f"output folder for loss.png, plan.json, summary.* (default ./{d.out}/)")
-    ap.add_argument("--seed", type=int, default=d.seed, help=f"model and data seed (default {d.seed})")
+    ap.add_argument("--seed", type=int, default=d.seed,
+                    help=f"model and data seed (default {d.seed})")
 
 
 def config_from_args(args) -> DemoConfig:
@@ -668,9 +628,9 @@ def config_from_args(args) -> DemoConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m shardplan.demo", description=__doc__.split("\n")[0])
-    add_arguments(ap)
-    return run(config_from_args(ap.parse_args(argv)))
+    """``python -m shardplan.demo ...`` = ``shardplan demo ...`` (same options and errors)."""
+    from .cli import main as cli_main
+    return cli_main(["demo", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field
 
 from .capture import Captured, capture, module_of, source_of
 from .engine import Annotation, annotate, hint, shape
-from .errors import CommunicationError, ConfigurationError
+from .errors import CommunicationError
 from .layouts import Partial, Replicate, Shard
 from .rewrite import rewrite
 from .ruleset import RuleSet, load_rules
@@ -148,10 +148,8 @@ def plan(model: nn.Module, tp: int, *, example_inputs=None, rules="megatron",
     Lists of identical blocks are captured and planned once (two blocks), and
     their decisions stamped onto the rest.
     """
-    from .api import example_args
-    if not isinstance(tp, int) or tp < 1:
-        raise ConfigurationError(f"tp must be a positive integer, got {tp!r}",
-                                 fix="pass the tensor-parallel size, e.g. tp=8")
+    from .api import check_model_arg, example_args
+    check_model_arg(model, tp)
     ruleset = load_rules(rules)
     args, kwargs = example_args(model, example_inputs)
     captured = capture(model, args, kwargs, truncate=True)

@@ -68,7 +68,8 @@ def verify(model: nn.Module, tp: int, *, example_inputs=None, loss_fn=None,
     The comparison runs in eval mode (dropout draws differ between runs);
     ``train=True`` compares in training mode, for models without dropout.
     """
-    from .api import example_args
+    from .api import check_model_arg, example_args
+    check_model_arg(model, tp)
     args, kwargs = example_args(model, example_inputs)
     ruleset = load_rules(rules)
     model = copy.deepcopy(model).train(train)

@@ -146,3 +146,27 @@ def test_verify_preset_ok():
     r = run_cli("verify", "gpt-tiny", "--tp", "2")
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.startswith("OK")
+
+
+def test_plan_html_and_diff(tmp_path):
+    """plan --json/--html at two tp values, then diff: the changed layouts and memory."""
+    a, b, page = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "a.html"
+    assert run_cli("plan", "llama-tiny", "--tp", "2", "--json", str(a), "--html",
+                   str(page)).returncode == 0
+    assert run_cli("plan", "llama-tiny", "--tp", "1", "--json", str(b)).returncode == 0
+    html = page.read_text()
+    assert html.lstrip().lower().startswith("<!doctype html>") and "Llama" in html
+    assert "<script src" not in html and "https://" not in html  # self-contained
+    r = run_cli("diff", str(a), str(b))
+    assert r.returncode == 0, r.stderr
+    assert "tp: 2 -> 1" in r.stdout and "parameters per rank" in r.stdout
+    assert "attention.wq.weight" in r.stdout
+    bad = run_cli("diff", str(a), str(tmp_path / "missing.json"))
+    assert bad.returncode == 2 and "cannot read plan" in bad.stderr
+
+
+def test_bench_lists_the_benchmarks():
+    r = run_cli("bench", "--list")
+    assert r.returncode == 0, r.stderr
+    for name in ("step_time", "comm_volume", "memory", "plan_scale"):
+        assert name in r.stdout
