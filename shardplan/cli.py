@@ -14,7 +14,9 @@ a shardplan error (the message says what and how to fix it).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import json
 import os
 import sys
 import warnings
@@ -37,8 +39,7 @@ def build_target(target: str, *, meta: bool) -> nn.Module:
         from .models import build
         return build(target, device="meta" if meta else None)
     if target.endswith(".json"):
-        raise TargetError(f"{target}: Hugging Face config.json targets are not supported yet; "
-                          "use a preset or package.module:factory")
+        return _hf_model(target, meta=meta)
     if ":" not in target:
         raise TargetError(f"unknown target {target!r}: not a bundled preset "
                           f"({', '.join(PRESETS)}) nor an import string package.module:factory")
@@ -59,6 +60,28 @@ def build_target(target: str, *, meta: bool) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise TargetError(f"{target}() returned {type(model).__name__}, not a torch.nn.Module")
     return model
+
+
+def _hf_model(path: str, *, meta: bool) -> nn.Module:
+    """The model class a Hugging Face config.json names, with random weights."""
+    try:
+        import transformers
+    except ImportError:
+        raise TargetError(f"{path}: Hugging Face targets need transformers: "
+                          "pip install -e '.[hf]'") from None
+    try:
+        with open(path) as f:
+            fields = json.load(f)
+        config = transformers.AutoConfig.for_model(**fields)
+    except (OSError, ValueError, KeyError) as e:
+        raise TargetError(f"cannot read a Hugging Face config from {path}: {e}") from e
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    cls = getattr(transformers, arch, None) if arch else None
+    if cls is None:
+        raise TargetError(f"{path} names no model class transformers knows "
+                          f"(architectures: {arch!r})")
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        return cls(config)
 
 
 def _import(target: str):
@@ -148,7 +171,8 @@ def _cmd_demo(args) -> int:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="shardplan", description="Automatic Megatron tensor parallelism for PyTorch models.",
-        epilog=f"TARGET: a bundled preset ({', '.join(PRESETS)}) or package.module:factory.")
+        epilog=f"TARGET: a bundled preset ({', '.join(PRESETS)}), package.module:factory, "
+               "or a Hugging Face config.json.")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("plan", help="print the plan for TARGET at --tp (built on meta: no memory)")

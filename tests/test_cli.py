@@ -93,7 +93,7 @@ BAD_TARGETS = {
     "user_models:missing": "'user_models' has no attribute 'missing'",
     "user_models:broken": "user_models:broken() raised ValueError: boom: no such checkpoint",
     "user_models:not_a_module": "returned int, not a torch.nn.Module",
-    "config.json": "config.json targets are not supported yet",
+    "missing/config.json": "cannot read a Hugging Face config from missing/config.json",
 }
 
 
@@ -170,3 +170,16 @@ def test_bench_lists_the_benchmarks():
     assert r.returncode == 0, r.stderr
     for name in ("step_time", "comm_volume", "memory", "plan_scale"):
         assert name in r.stdout
+
+
+def test_plan_hugging_face_config_json(tmp_path):
+    transformers = pytest.importorskip("transformers", reason="the [hf] extra is not installed")
+    config = transformers.LlamaConfig(num_hidden_layers=3, hidden_size=64, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=96, vocab_size=100,
+                                      architectures=["LlamaForCausalLM"])
+    path = tmp_path / "config.json"
+    config.to_json_file(path)
+    r = run_cli("plan", str(path), "--tp", "2")
+    assert r.returncode == 0, r.stderr
+    assert "LlamaForCausalLM at tp=2" in r.stdout
+    assert "model.layers.0-2 (3 identical blocks)" in r.stdout
