@@ -968,9 +968,9 @@ def load_full_state_dict(sharded, source, *, strict: bool = True) -> None:
                 if is_file:
                     local = _read_local(src, name, e, group.rank, group.size)
                 else:
-                    full = src[name].detach()
+                    full = src[name].detach()  # slices are copies; a replica must be too
                     local = e.layout.slice(full, group.rank, group.size) \
-                        if isinstance(e.layout, Shard) else full
+                        if isinstance(e.layout, Shard) else full.clone()
                 values[e.fqn] = local
                 if not e.tensor.is_meta:
                     _set(sharded, {e.fqn: values.pop(e.fqn)}, entries)

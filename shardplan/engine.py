@@ -625,8 +625,8 @@ def _map_reshape(lay: Shard, src, dst, src_sym, dst_sym, tp) -> Shard | Conflict
         if any(blk % inner_out for blk in rows[0]):
             continue
         counts = [blk // inner_out for blk in rows[0]]
-        if len(counts) > 1 and all(n == 1 for n in counts):
-            continue  # this dim enumerates the blocks: the shard lies inside them
+        if all(n == 1 for n in counts) and j < e - 1:
+            continue  # a dim enumerating the blocks, or a new size-1 dim: the shard lies inside
         if any(n % parts for n in counts):  # the major dim carries the shard (heads): no
             needed = tp // math.gcd(counts[0], tp) if len(counts) == 1 else 1  # moving it inward
             return fail(f"split of a sharded dim into {[dst[k] for k in range(c, e)]} does not "

@@ -148,9 +148,17 @@ class _Rewriter:
         if bias is not None:
             with self.graph.inserting_after(g):
                 last = self.graph.call_function(aten.add.Tensor, (g, bias))
+        self._replicated(node, g, last)
         for u in users:
             if u is not node:
                 u.replace_input_with(node, last)
+
+    def _replicated(self, original: fx.Node, *made: fx.Node) -> None:
+        """Nodes made after a g hold the replicated value: later regions read them like
+        any replicated tensor (an f before, a local slice where needed)."""
+        for n in made:
+            self.ann.layouts[n] = Replicate()
+            self.ann.requires_grad[n] = self.ann.requires_grad.get(original, False)
 
     def _vocab_embedding(self, node: fx.Node, out) -> None:
         spec = self.ann_spec("vocab_embedding")
@@ -167,6 +175,7 @@ class _Rewriter:
         self.graph.erase_node(node)
         users = list(lookup.users)
         g = self._g_after(lookup, lookup)
+        self._replicated(node, g)
         for u in users:
             u.replace_input_with(lookup, g)
 

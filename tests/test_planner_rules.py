@@ -114,7 +114,7 @@ def test_kv_heads_not_dividing_tp_nor_divided_by_it():
         shardplan.plan(model, 4)
 
 
-@pytest.mark.parametrize("kv,heads,tp", [(2, 4, 4), (1, 4, 4), (2, 8, 8)])
+@pytest.mark.parametrize("kv,heads,tp", [(2, 4, 4), (2, 8, 8)])
 def test_kv_heads_fewer_than_tp_are_held_by_rank_groups(kv, heads, tp):
     """Each rank holds the K/V head its query heads use; the ranks sharing a head sum its
     gradient (one backward all-reduce of the K and V weights per layer)."""

@@ -130,7 +130,7 @@ class _SumOverReplicas(torch.autograd.Function):
         buf = grad.new_zeros(shape)
         buf.narrow(dim, index * n, n).copy_(grad)
         total = g.all_reduce(buf, direction="backward", site=ctx.site)
-        return total.narrow(dim, index * n, n), None, None, None, None
+        return total.narrow(dim, index * n, n).clone(), None, None, None, None  # drop the buffer
 
 
 class SumOverReplicas(nn.Module):
