@@ -21,13 +21,14 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from ._common import machine
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -91,19 +92,6 @@ def measure(preset: str, tp: int, overrides: dict) -> dict:
     out = json.loads(r.stdout.strip().splitlines()[-1])
     out["start_to_plan_s"] = out.pop("done_at") - started
     return out
-
-
-def machine() -> str:
-    mem = next(line for line in Path("/proc/meminfo").read_text().splitlines()
-               if line.startswith("MemTotal:"))
-    ram_gib = int(mem.split()[1]) / 2**20
-    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
-    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")),
-               platform.processor() or "unknown CPU")
-    import torch
-    return (f"{os.cpu_count()} cores (nproc {len(os.sched_getaffinity(0))}), "
-            f"{ram_gib:.1f} GiB RAM, {cpu}; Linux {platform.release()}, "
-            f"Python {platform.python_version()}, torch {torch.__version__}")
 
 
 def _gib(n: int) -> str:
