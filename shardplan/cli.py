@@ -1,13 +1,15 @@
-"""The ``shardplan`` command: look at a plan, check it, run the smoke test.
+"""The ``shardplan`` command: look at a plan, check it, compare plans, run the demo.
 
     shardplan plan llama-70b --tp 8              # a bundled preset, built on meta
-    shardplan plan mypkg.models:build --tp 4 --json plan.json
+    shardplan plan mypkg.models:build --tp 4 --json plan.json --html plan.html
     shardplan verify gpt-tiny --tp 2             # sharded == unsharded, on CPU
-    shardplan smoke
+    shardplan diff plan-tp4.json plan-tp8.json
+    shardplan demo                               # train at tp=2 on gloo vs unsharded
+    shardplan bench                              # the benchmarks (source checkout)
 
-TARGET is a bundled preset name (see ``shardplan.models.PRESETS``) or an
+TARGET is a bundled preset name (see ``shardplan.models.PRESETS``), an
 import string ``package.module:factory`` whose ``factory()`` returns an
-``nn.Module``. Exit status: 0 success, 1 verification failed, 2 bad target or
+``nn.Module``, or a Hugging Face ``config.json``. Exit status: 0 success, 1 verification failed, 2 bad target or
 a shardplan error (the message says what and how to fix it).
 """
 
@@ -158,11 +160,6 @@ def _bench(rest: list[str]) -> int:
     return subprocess.call([sys.executable, "-m", "benchmarks", *rest], cwd=root)
 
 
-def _cmd_smoke(args) -> int:
-    from . import smoke
-    return smoke.main()
-
-
 def _cmd_demo(args) -> int:
     from . import demo
     return demo.run(demo.config_from_args(args))
@@ -200,8 +197,6 @@ def parser() -> argparse.ArgumentParser:
     sub.add_parser("bench", help="run the benchmarks and update docs/benchmarks.md "
                                  "(arguments go to python -m benchmarks; bench --help lists them)")
 
-    s = sub.add_parser("smoke", help="smoke run: train the bundled GPT at tp=2 on gloo, compare")
-    s.set_defaults(run=_cmd_smoke)
 
     from . import demo
     m = sub.add_parser("demo", help="train the bundled GPT on text at tp=2 on gloo, check it "

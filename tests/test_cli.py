@@ -138,7 +138,7 @@ def test_bad_tp_and_help(capsys):
         main(["--help"])
     out = capsys.readouterr().out
     assert e.value.code == 0
-    for command in ("plan", "verify", "smoke"):
+    for command in ("plan", "verify", "diff", "demo", "bench"):
         assert command in out
 
 
