@@ -65,11 +65,8 @@ class Annotation:
     params: dict  # get_attr target -> Layout
     requires_grad: dict  # fx.Node -> bool
     disabled: dict  # opener fx.Node -> reason it stays replicated
-    warnings: list  # openers kept replicated because an op had no rule
+    warnings: list  # openers kept replicated for a reason other than a non-closing region
     rules: RuleSet
-
-    def role(self, node: fx.Node) -> str:
-        return self.outcomes[node].role if node in self.outcomes else "local"
 
 
 # --------------------------------------------------------------------------- graph helpers
