@@ -33,6 +33,15 @@ def measured_line(load_before, load_after) -> str:
             "shared: a load near or above the core count means the times include contention).")
 
 
+def section_head(heading: str, command: str, load_before, load_after) -> list[str]:
+    """The opening lines every benchmark section shares: how to reproduce it, and where."""
+    return [heading, "",
+            "Reproduce from the repository root (writes this section; `--quick` for a short check "
+            "that writes nothing):", "",
+            "```sh", command, "```", "",
+            measured_line(load_before, load_after), ""]
+
+
 def med(values) -> float:
     return statistics.median(values)
 

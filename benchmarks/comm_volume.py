@@ -29,7 +29,7 @@ from collections import Counter
 
 import torch
 
-from ._common import comm_counter, measured_line, tally, write_doc
+from ._common import comm_counter, section_head, tally, write_doc
 from .megatron_manual import megatron_optimum
 
 HEADING = "## Communication per training step, tp=2"
@@ -209,11 +209,7 @@ def main(argv=None) -> int:
     if args.quick or args.no_write:
         return 1 if problems else 0
     section = "\n".join([
-        HEADING, "",
-        "Reproduce from the repository root (writes this section; `--quick` for a short check "
-        "that writes nothing):", "",
-        "```sh", COMMAND, "```", "",
-        measured_line(load_before, load_after), "",
+        *section_head(HEADING, COMMAND, load_before, load_after),
         "One forward and one backward of each contender at tp=2 (two gloo processes), float32, "
         "bytes as each rank sees them (the logical size: the reduced tensor of an all-reduce, the "
         "gathered tensor of an all-gather), MB = 10^6 bytes. Counted by one observer for every "

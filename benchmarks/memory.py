@@ -28,7 +28,7 @@ import warnings
 
 import torch
 
-from ._common import measured_line, write_doc
+from ._common import section_head, write_doc
 
 HEADING = "## Memory per rank"
 COMMAND = "python -m benchmarks.memory"
@@ -199,11 +199,7 @@ def main(argv=None) -> int:
     if args.quick or args.no_write:
         return 0
     section = "\n".join([
-        HEADING, "",
-        "Reproduce from the repository root (writes this section; `--quick` for a short check "
-        "that writes nothing):", "",
-        "```sh", COMMAND, "```", "",
-        measured_line(load_before, load_after), "",
+        *section_head(HEADING, COMMAND, load_before, load_after),
         "`shardplan.parallelize(model, gather_output=False)` on simulated ranks "
         "(`SimulatedRanks(tp)`, each rank a deep copy of the model), float32, one forward, "
         "backward and `AdamW.step()`; then the bytes of the distinct storages behind the "
