@@ -14,7 +14,8 @@ from .sharded import ShardedModule
 
 def parallelize(model: nn.Module, tp: int | None = None, *, group=None, mesh=None,
                 example_inputs=None, rules="megatron", gather_output: bool = True,
-                strict: bool = False, check_model: bool = True) -> ShardedModule:
+                strict: bool = False, check_model: bool = True,
+                recompute=False) -> ShardedModule:
     """Megatron tensor parallelism for ``model`` over a process group.
 
     Returns a module with the same call signature holding only this rank's
@@ -23,7 +24,9 @@ def parallelize(model: nn.Module, tp: int | None = None, *, group=None, mesh=Non
     ``Group``; with ``mesh`` (a ``DeviceMesh``), its "tp" dimension.
     ``check_model`` first compares a checksum of every parameter across the
     ranks (one small broadcast and all-reduce): shards of different models
-    would train silently wrong.
+    would train silently wrong. ``recompute`` recomputes activations in
+    backward per block instead of keeping them: ``True`` for every element of
+    every ``nn.ModuleList`` (the layers), or module names / glob patterns.
     """
     check_model_arg(model)
     grp = _group(group, mesh)
@@ -39,7 +42,7 @@ def parallelize(model: nn.Module, tp: int | None = None, *, group=None, mesh=Non
                                "checkpoint) before parallelize, or pass check_model=False")
     example = example_args(model, example_inputs)
     sharded = ShardedModule(model, grp, load_rules(rules), example=example,
-                            gather_output=gather_output, strict=strict)
+                            gather_output=gather_output, strict=strict, recompute=recompute)
     return sharded
 
 

@@ -17,6 +17,7 @@ from .capture import PLANNING_LOCK, Captured, capture
 from .engine import Annotation, annotate
 from .layouts import Replicate
 from .plan import build_plan
+from .recompute import block_names, outline_blocks
 from .errors import CheckpointError, ConfigurationError
 from .rewrite import bind, rewrite
 from .ruleset import RuleSet
@@ -29,12 +30,14 @@ class ShardedModule(nn.Module):
 
     def __init__(self, source: nn.Module, group: Group, rules: RuleSet, *,
                  example: tuple[tuple, dict], gather_output: bool, strict: bool,
-                 captured: Captured | None = None):
+                 recompute=False, captured: Captured | None = None):
         super().__init__()
         self._source = [source]  # a list hides it from nn.Module's registry
         self._group, self._rules = group, rules
         self._gather, self._strict = gather_output, strict
         self._graphs: dict = {}
+        #: FQNs of the blocks whose activations are recomputed in backward
+        self.recomputed = block_names(source, recompute) if recompute else []
         args, kwargs = example
         with PLANNING_LOCK:
             ann, captured = self._annotate(args, kwargs, source.training, captured)
@@ -49,7 +52,7 @@ class ShardedModule(nn.Module):
         #: every parameter/buffer FQN (each alias of a tied weight) -> its layout
         self.layouts = {fqn: canon.get(c, Replicate()) for fqn, c in self._aliases.items()}
         for name, child in gm.named_children():
-            if not name.startswith("tp_") and not name.startswith("_"):
+            if not name.startswith(("tp_", "_", "submod_")):
                 self.add_module(name, child)
         for name, t in gm._parameters.items():
             self.register_parameter(name, t)
@@ -134,6 +137,8 @@ class ShardedModule(nn.Module):
     def _finish(self, ann: Annotation, captured, args, kwargs) -> fx.GraphModule:
         target = _input_device(args, kwargs) or _device_of(self._source[0])
         gm = rewrite(ann, self._group, gather_output=self._gather, device=target)
+        if self.recomputed:
+            gm = outline_blocks(gm, self.recomputed, self._group)
         bind(gm, self._tensors)
         return gm
 

@@ -10,13 +10,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..errors import ConfigurationError
 from ..layouts import Shard
 from .comm import Group
 from .layers import check_ids, vocab_range
 from .loss import vocab_parallel_cross_entropy
 from .mappings import copy_to_region, reduce_from_region
-from .random import RNGTracker, get_rng_tracker, set_rng_tracker
+from .random import tracker_for
 
 
 class CopyToRegion(nn.Module):
@@ -155,15 +154,6 @@ class ModelParallelRNG(nn.Module):
         self.op, self.group = op, group
 
     def forward(self, *args, **kwargs):
-        with _tracker(self.group.rank).fork():
+        with tracker_for(self.group.rank).fork():
             return self.op(*args, **kwargs)
 
-
-def _tracker(rank: int) -> RNGTracker:
-    """The installed tracker; one seeded from torch's initial seed if none is."""
-    try:
-        return get_rng_tracker()
-    except ConfigurationError:
-        tracker = RNGTracker(torch.initial_seed(), rank)
-        set_rng_tracker(tracker)
-        return tracker

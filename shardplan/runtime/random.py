@@ -104,6 +104,23 @@ class RNGTracker:
             self._outside = replicated
             _set_default_states(parallel)
 
+    def model_parallel_state(self) -> dict[str, torch.Tensor]:
+        """A copy of the model-parallel stream's current state."""
+        return self.get_states()[MODEL_PARALLEL]
+
+    @contextmanager
+    def model_parallel_at(self, state: dict[str, torch.Tensor]):
+        """Inside the block, the model-parallel stream starts at ``state``; afterwards
+        it is back where it was (activation recomputation replays a block's draws)."""
+        if self._outside is not None:
+            raise ConfigurationError("model_parallel_at inside a fork",
+                                     fix="replay a block outside tracker.fork()")
+        now, self._parallel = self._parallel, _clone(state)
+        try:
+            yield
+        finally:
+            self._parallel = now
+
 
 def _clone(states: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in states.items()}
@@ -131,6 +148,13 @@ def get_rng_tracker() -> RNGTracker:
         raise ConfigurationError(
             "no tensor-parallel RNG tracker is installed",
             fix="call shardplan.runtime.manual_seed(seed, tp_rank) on every rank first")
+    return _tracker
+
+
+def tracker_for(tp_rank: int) -> RNGTracker:
+    """The installed tracker; if none is, install one seeded from torch's initial seed."""
+    if _tracker is None:
+        set_rng_tracker(RNGTracker(torch.initial_seed(), tp_rank))
     return _tracker
 
 
