@@ -23,6 +23,16 @@ tp) counts once, on the first rank of its replica group.
 (``average_gradients``: one flat all-reduce per dtype and device, divided by
 the group size) before the norm is taken; afterwards every replica holds the
 same gradients, so the norm needs no reduction over data-parallel ranks.
+
+**fp16.** ``TPGradScaler`` is ``torch.amp.GradScaler`` with an overflow check
+that every rank agrees on (torch's AMP recipe, clipping the unscaled grads)::
+
+    scaler = TPGradScaler("cuda")                     # agrees over the world
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)
+    clip_grad_norm_(sharded, 1.0, dp_group=dp)
+    scaler.step(opt)                                  # skipped on every rank, or on none
+    scaler.update()
 """
 
 from __future__ import annotations
@@ -39,7 +49,7 @@ from .errors import ConfigurationError
 from .layouts import Shard
 
 __all__ = ["build_optimizer", "param_groups", "lr_schedule", "cosine_scheduler",
-           "clip_grad_norm_", "average_gradients", "grad_norm"]
+           "clip_grad_norm_", "average_gradients", "grad_norm", "TPGradScaler"]
 
 
 # --------------------------------------------------------------------------
@@ -162,7 +172,7 @@ def average_gradients(params: Iterable[torch.Tensor], dp_group) -> None:
         buckets.setdefault((g.dtype, g.device), []).append(g)
     for bucket in buckets.values():
         flat = _flatten_dense_tensors(bucket)
-        flat = _all_reduce_sum(flat, dp_group)
+        flat = _all_reduce(flat, dp_group, "sum", "data-parallel gradients", "backward")
         flat.div_(size)
         for g, avg in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
             g.copy_(avg)
@@ -175,11 +185,14 @@ def _size(group) -> int:
     return dist.get_world_size(group)
 
 
-def _all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+def _all_reduce(t: torch.Tensor, group, op: str, site: str, direction: str = "none"):
     from .runtime.comm import Group
     if isinstance(group, Group):
-        return group.all_reduce(t, "sum", direction="backward", site="data-parallel gradients")
-    dist.all_reduce(t, group=group)
+        return group.all_reduce(t, op, direction=direction, site=site)
+    dist.all_reduce(t, op=_OPS[op], group=group)
     return t
 
 
@@ -268,3 +281,68 @@ def clip_grad_norm_(model: nn.Module, max_norm: float = 1.0, *, dp_group=None,
     for g in every:
         g.mul_(coef.to(g.device, g.dtype))
     return total
+
+
+# --------------------------------------------------------------------------
+# fp16 loss scaling that agrees across ranks
+# --------------------------------------------------------------------------
+
+class TPGradScaler(torch.amp.GradScaler):
+    """``torch.amp.GradScaler`` whose inf/nan check is agreed over ``group``.
+
+    Torch checks only this rank's gradients. Under tensor parallelism they are
+    shards: an overflow in one rank's slice is invisible to the others, so that
+    rank would skip the step and back off its scale while its peers step —
+    replicated parameters drift apart, shards come from different steps, and
+    the scales differ from then on. Here ``unscale_`` (which ``step`` calls)
+    all-reduces the found-inf flag with MAX over ``group`` after torch's own
+    check, so every rank skips, backs off and grows alike. ``group``: a
+    ``torch.distributed`` process group or a shardplan ``Group``; ``None``,
+    the default group (the whole world: TP ranks must agree, and agreeing
+    over data-parallel replicas too costs nothing more). The flag lives on
+    the scaler's device (``"cuda"`` for NCCL, ``"cpu"`` for gloo); the
+    scaling, growth and back-off are torch's.
+    """
+
+    def __init__(self, device: str = "cuda", *, group=None, **kwargs):
+        super().__init__(device, **kwargs)
+        if self.is_enabled() and group is None and not dist.is_initialized():
+            raise ConfigurationError("TPGradScaler agrees over the default process group, "
+                                     "which is not initialized",
+                                     fix="call torch.distributed.init_process_group() first, "
+                                         "or pass group=")
+        self.group = group
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        super().unscale_(optimizer)
+        if self.is_enabled():
+            self._agree(optimizer)
+
+    def _check_inf_per_device(self, optimizer):
+        # the check torch runs instead of unscale_ for optimizers that unscale
+        # themselves (fused AdamW)
+        super()._check_inf_per_device(optimizer)
+        return self._agree(optimizer)
+
+    def _agree(self, optimizer) -> dict:
+        found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        flag = torch.zeros(1, dtype=torch.float32, device=self._scale.device)
+        for f in found.values():
+            flag += f.to(flag.device)
+        flag = _all_reduce(flag, self.group, "max", "loss-scaler overflow check")
+        for f in found.values():
+            f.copy_(flag.reshape(()))
+        if not found:  # no gradients here: still step, or skip, with the others
+            found[flag.device] = flag.reshape(())
+        return found
+
+    def found_inf(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether any rank found an inf/nan in this iteration's gradients
+        (after ``unscale_``, before ``update``): then ``step`` skips everywhere."""
+        if not self.is_enabled():
+            return False
+        found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        if not found:
+            raise ConfigurationError("found_inf() outside an iteration's unscale_() .. update()",
+                                     fix="call scaler.unscale_(optimizer) first")
+        return bool(sum(f.item() for f in found.values()))

@@ -23,7 +23,14 @@ run reads exactly what the uninterrupted one would have.
 **Optimizer.** ``shardplan.optim``: AdamW (betas 0.9/0.95, no decay on 1-D
 parameters), linear warm-up then cosine decay to ``--min-lr``, global-norm
 clipping that is correct under TP. ``--bf16``: ``torch.autocast`` to bfloat16
-(weights and optimizer state stay float32).
+(weights and optimizer state stay float32). ``--fp16``: autocast to float16
+with dynamic loss scaling (``TPGradScaler``, on CPU too): gradients are
+unscaled before clipping, and an inf/nan in any rank's gradients makes every
+rank skip the step and back the scale off, so no rank steps alone; the scale
+is logged and saved with the checkpoint. A step whose gradient is not finite
+is skipped in every mode. ``--recompute``: each block's activations are
+recomputed in backward (``parallelize(recompute=True)``), with the dropout
+masks of the first pass.
 
 **Checkpoints.** ``--save DIR`` writes ``DIR/step-00000050`` (a
 ``shardplan.checkpoint`` directory: shards and optimizer state per TP rank)
@@ -63,7 +70,8 @@ from . import checkpoint
 from .api import parallelize
 from .consistency import assert_same_across, check_replicas
 from .errors import CommunicationError, ConfigurationError
-from .optim import average_gradients, build_optimizer, clip_grad_norm_, lr_schedule
+from .optim import (TPGradScaler, average_gradients, build_optimizer, clip_grad_norm_,
+                    lr_schedule)
 from .runtime.comm import TorchGroup
 from .runtime.random import MODEL_PARALLEL, REPLICATED, manual_seed
 
@@ -97,6 +105,8 @@ class TrainConfig:
     resume: str | None = None
     check_replicas_every: int = 100    # 0: only at the end
     bf16: bool = False
+    fp16: bool = False                 # float16 autocast with TP-agreed dynamic loss scaling
+    recompute: bool = False            # recompute each block's activations in backward
     log_every: int = 10                # 0: no logging
     dropout: float | None = None       # override a bundled preset's dropout
     device: str | None = None          # default: cuda:LOCAL_RANK when CUDA is available, else cpu
@@ -123,6 +133,10 @@ class TrainConfig:
                                      fix="pass --save DIR too")
         if self.dropout is not None and not 0 <= self.dropout < 1:
             raise ConfigurationError(f"dropout={self.dropout} must be in [0, 1)")
+        if self.bf16 and self.fp16:
+            raise ConfigurationError("bf16 and fp16 are both set", where="--bf16 --fp16",
+                                     fix="choose one: --bf16 (no loss scaling needed) or "
+                                         "--fp16 (float16 with dynamic loss scaling)")
 
     @property
     def floor_lr(self) -> float:
@@ -335,7 +349,8 @@ class Trainer:
     """One rank of a run: the mesh, the sharded model, the optimizer, the data.
 
     ``run()`` trains up to ``config.steps`` and returns this call's losses;
-    ``history`` holds (step, loss, lr, grad norm) per step taken.
+    ``history`` holds (step, loss, lr, grad norm, skipped; with fp16 the loss
+    scale the step used) per step taken.
     """
 
     def __init__(self, config: TrainConfig):
@@ -359,10 +374,12 @@ class Trainer:
         self.n_params = sum(p.numel() for p in model.parameters())
         example = tuple(t.to(self.device) for t in self.data.batch(0, self.dp_rank))
         self.sharded = parallelize(model, mesh=self.mesh, example_inputs=example,
-                                   gather_output=False)
+                                   gather_output=False, recompute=config.recompute)
         self.tracker = manual_seed(config.seed, self.tp_rank)
         self.optimizer = build_optimizer(self.sharded, config.lr,
                                          weight_decay=config.weight_decay)
+        # agreed over the world: TP ranks hold different shards, replicas different batches
+        self.scaler = TPGradScaler(self.device.type, enabled=config.fp16)
         self.step = 0  # optimizer steps taken
         self.history: list[dict] = []
         if config.resume:
@@ -374,9 +391,10 @@ class Trainer:
         return lr_schedule(step, lr=c.lr, warmup=c.warmup, total=c.steps, min_lr=c.floor_lr)
 
     def autocast(self):
-        if not self.config.bf16:
+        c = self.config
+        if not (c.bf16 or c.fp16):
             return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return torch.autocast(self.device.type, dtype=torch.float16 if c.fp16 else torch.bfloat16)
 
     def train_step(self) -> dict:
         c, step = self.config, self.step
@@ -387,25 +405,37 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         with self.autocast():
             loss = loss_of(self.sharded(x, y))
-        loss.backward()
+        scaler = self.scaler
+        scale = scaler.get_scale() if c.fp16 else None  # the scale this step's backward uses
+        scaler.scale(loss).backward()  # without fp16: loss.backward()
+        scaler.unscale_(self.optimizer)  # clip unscaled gradients; fp16's agreed overflow check
         if c.clip > 0:
             norm = clip_grad_norm_(self.sharded, c.clip, dp_group=self.dp_pg)
         else:
             average_gradients(self.sharded.parameters(), self.dp_pg)
             norm = clip_grad_norm_(self.sharded, None)
-        finite = bool(torch.isfinite(norm))  # the same on every rank: the norm is all-reduced
-        if finite:
-            self.optimizer.step()
-        elif self.rank == 0:
-            print(f"shardplan.train: step {step + 1}: gradient norm {norm.item()}; "
-                  "step skipped", file=sys.stderr, flush=True)
+        if c.fp16:  # an overflow on any rank: every rank skips and backs the scale off
+            skipped = scaler.found_inf(self.optimizer)
+            scaler.step(self.optimizer)
+            scaler.update()
+        else:  # the norm is all-reduced, so this is the same on every rank
+            skipped = not bool(torch.isfinite(norm))
+            if not skipped:
+                self.optimizer.step()
+        if skipped and self.rank == 0:
+            why = (f"inf/nan gradients at loss scale {scale:g}, backed off to "
+                   f"{scaler.get_scale():g}" if c.fp16 else f"gradient norm {norm.item()}")
+            print(f"shardplan.train: step {step + 1}: {why}; step skipped",
+                  file=sys.stderr, flush=True)
         mean = loss.detach().float().reshape(1)
         if self.dp > 1:
             dist.all_reduce(mean, group=self.dp_pg)
             mean /= self.dp
         self.step += 1
         record = {"step": self.step, "loss": mean.item(), "lr": lr, "grad_norm": norm.item(),
-                  "skipped": not finite}
+                  "skipped": skipped}
+        if c.fp16:
+            record["scale"] = scale
         self.history.append(record)
         return record
 
@@ -429,7 +459,8 @@ class Trainer:
                 rate = tokens * since / max(now - t_log, 1e-9)
                 print(f"step {self.step:>6}/{c.steps} | loss {rec['loss']:.4f} | "
                       f"lr {rec['lr']:.3e} | grad norm {rec['grad_norm']:.4f} | "
-                      f"{rate:,.0f} tok/s", flush=True)
+                      + (f"scale {rec['scale']:g} | " if c.fp16 else "")
+                      + f"{rate:,.0f} tok/s", flush=True)
                 t_log, since = now, 0
             if c.check_replicas_every and self.step % c.check_replicas_every == 0:
                 self.check_replicas()
@@ -478,9 +509,10 @@ class Trainer:
         c = self.config
         return {"format": FORMAT, "step": self.step, "data": self.data.position(self.step),
                 "rng": _rng_json(self.tracker.get_states()),
+                "scaler": self.scaler.state_dict(),  # {} without fp16
                 "config": {"model": c.model, "tp": self.tp, "dp": self.dp, "seed": c.seed,
                            "batch_size": c.batch_size, "seq_len": c.seq_len, "lr": c.lr,
-                           "steps": c.steps, "bf16": c.bf16}}
+                           "steps": c.steps, "bf16": c.bf16, "fp16": c.fp16}}
 
     def save(self, path: Path) -> None:
         """Collective over the world; data-parallel replica 0 writes."""
@@ -518,6 +550,8 @@ class Trainer:
                           f"trained on {data.get('tokens')}", stacklevel=2)
         self.step = int(extra["step"])
         self.tracker.set_states(_rng_of(extra["rng"]))
+        if extra.get("scaler"):  # the loss scale and growth tracker (a no-op without fp16)
+            self.scaler.load_state_dict(extra["scaler"])
         self.check_replicas()
         if self.rank == 0 and c.log_every:
             print(f"resumed {path} at step {self.step}", flush=True)
@@ -527,7 +561,9 @@ class Trainer:
         backend = dist.get_backend()
         print(f"shardplan.train: {c.model} ({self.n_params / 1e6:.2f}M parameters), "
               f"world {self.world} = dp {self.dp} x tp {self.tp}, {backend} on {self.device.type}"
-              f"{', bf16 autocast' if c.bf16 else ''}; global batch "
+              f"{', bf16 autocast' if c.bf16 else ''}"
+              f"{', fp16 autocast with loss scaling' if c.fp16 else ''}"
+              f"{', recomputed blocks' if c.recompute else ''}; global batch "
               f"{self.data.global_batch_size} x {c.seq_len} tokens; "
               f"data {c.data or 'synthetic'}", flush=True)
 
@@ -600,6 +636,12 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     p.add_argument("--check-replicas-every", type=int, default=d.check_replicas_every,
                    help="steps between replica checks (0: only at the end)")
     p.add_argument("--bf16", action="store_true", help="bfloat16 autocast")
+    p.add_argument("--fp16", action="store_true",
+                   help="float16 autocast with dynamic loss scaling; an inf/nan gradient on "
+                        "any rank skips the step on every rank (not with --bf16)")
+    p.add_argument("--recompute", action="store_true",
+                   help="recompute each block's activations in backward (less memory, "
+                        "one more forward; dropout masks are redrawn identically)")
     p.add_argument("--log-every", type=int, default=d.log_every)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     args = p.parse_args(argv)

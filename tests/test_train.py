@@ -25,18 +25,8 @@ from shardplan.optim import (build_optimizer, clip_grad_norm_, cosine_scheduler,
                              lr_schedule)
 from shardplan.ranks import SimulatedRanks
 from shardplan.train import TokenData, TrainConfig, parse_args, resolve_checkpoint
-from train_cases import (clip_dp_rank, clip_rank, reference_losses, resume_rank, torch_clip,
-                         train_rank, trainer_rank)
-
-# One small run: dp 2 x tp 2, 2 sequences of 16 bytes per replica and step, dropout 0.
-BASE = dict(model="gpt-tiny", tp=2, dp=2, batch_size=2, seq_len=16, lr=3e-3, warmup=3,
-            min_lr=3e-4, clip=1.0, weight_decay=0.01, seed=5, dropout=0.0, log_every=0,
-            check_replicas_every=5)
-
-
-def rel_close(actual, expected, rtol, what):
-    for i, (a, b) in enumerate(zip(actual, expected, strict=True)):
-        assert abs(a - b) <= rtol * abs(b), f"{what} at step {i + 1}: {a} vs {b}"
+from train_cases import (BASE, clip_dp_rank, clip_rank, reference_losses, rel_close,
+                         resume_rank, torch_clip, train_rank, trainer_rank)
 
 
 # -- the schedule -----------------------------------------------------------------------------
@@ -190,11 +180,12 @@ def test_parse_args():
                     "--batch-size", "3", "--seq-len", "24", "--lr", "1e-3", "--warmup", "2",
                     "--min-lr", "1e-4", "--clip", "0.5", "--weight-decay", "0.1", "--seed", "9",
                     "--data", "x.txt", "--save", "ck", "--save-every", "5", "--resume", "old",
-                    "--check-replicas-every", "3", "--bf16", "--log-every", "1"])
+                    "--check-replicas-every", "3", "--bf16", "--log-every", "1",
+                    "--recompute"])
     assert c == TrainConfig(model="llama-tiny", tp=2, dp=2, steps=7, batch_size=3, seq_len=24,
                             lr=1e-3, warmup=2, min_lr=1e-4, clip=0.5, weight_decay=0.1, seed=9,
                             data="x.txt", save="ck", save_every=5, resume="old",
-                            check_replicas_every=3, bf16=True, log_every=1)
+                            check_replicas_every=3, bf16=True, log_every=1, recompute=True)
     assert parse_args([]).floor_lr == pytest.approx(TrainConfig().lr / 10)
     with pytest.raises(ConfigurationError):
         parse_args(["--steps", "0"])
@@ -280,6 +271,18 @@ def test_bf16_autocast_is_close_to_fp32(real_ranks):
     assert all(math.isfinite(x) for x in runs[0])
     assert runs[0] != want  # bf16 really ran
     rel_close(runs[0], want, 2e-2, "bf16 loss")
+
+
+@pytest.mark.real
+@pytest.mark.timeout(120)
+def test_recomputation_with_dropout_trains_identically(real_ranks):
+    """dp 2 x tp 2, dropout 0.1: the same losses with and without recomputed blocks."""
+    cfg = dict(BASE, steps=4, dropout=0.1)
+    stored = real_ranks(4).run(train_rank, cfg)
+    recomputed = real_ranks(4).run(train_rank, dict(cfg, recompute=True))
+    assert stored == recomputed
+    dropout_free = real_ranks(4).run(train_rank, dict(cfg, dropout=0.0))
+    assert stored != dropout_free  # dropout really drew masks
 
 
 @pytest.mark.real

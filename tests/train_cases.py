@@ -9,11 +9,22 @@ import torch
 
 import shardplan
 from shardplan.models import build
-from shardplan.optim import build_optimizer, clip_grad_norm_, lr_schedule
+from shardplan.optim import TPGradScaler, build_optimizer, clip_grad_norm_, lr_schedule
 from shardplan.ruleset import load_rules
 from shardplan.runtime.random import set_rng_tracker
 from shardplan.sharded import ShardedModule
 from shardplan.train import TokenData, Trainer, TrainConfig, build_model, train
+
+
+# One small run: dp 2 x tp 2, 2 sequences of 16 bytes per replica and step, dropout 0.
+BASE = dict(model="gpt-tiny", tp=2, dp=2, batch_size=2, seq_len=16, lr=3e-3, warmup=3,
+            min_lr=3e-4, clip=1.0, weight_decay=0.01, seed=5, dropout=0.0, log_every=0,
+            check_replicas_every=5)
+
+
+def rel_close(actual, expected, rtol, what):
+    for i, (a, b) in enumerate(zip(actual, expected, strict=True)):
+        assert abs(a - b) <= rtol * abs(b), f"{what} at step {i + 1}: {a} vs {b}"
 
 
 def isolated(fn):
@@ -109,6 +120,64 @@ def trainer_rank(ctx, cfg: dict, corrupt: bool):
 def resume_rank(ctx, first: dict, second: dict):
     """Run ``first`` (which saves), then a fresh trainer from ``second`` (which resumes)."""
     return train(TrainConfig(**first)), train(TrainConfig(**second))
+
+
+@isolated
+def fp16_resume_rank(ctx, first: dict, second: dict, growth_interval: int):
+    """``first`` (fp16; it saves) with a scaler that grows every ``growth_interval`` steps,
+    so it overflows and backs off; then a fresh trainer from ``second`` (it resumes).
+    Both histories and both scalers' final states."""
+    full = Trainer(TrainConfig(**first))
+    full.scaler = TPGradScaler("cpu", growth_interval=growth_interval)
+    full.run()
+    resumed = Trainer(TrainConfig(**second))
+    resumed.run()
+    return (full.history, resumed.history, full.scaler.state_dict(),
+            resumed.scaler.state_dict())
+
+
+# -- the loss scaler on real ranks --------------------------------------------------------
+
+OVERFLOW_MODES = ("step", "unscale", "fused")  # how the scaler gets to its inf check
+
+
+@isolated
+def overflow_rank(ctx, agreeing: bool, mode: str):
+    """Two fp16-style iterations on this rank's shard of a column-parallel weight (its rows
+    of one seeded matrix) and a replicated parameter (its gradient the same on every rank):
+    the first with an inf in rank 1's weight gradient only, the second clean.
+
+    ``agreeing``: shardplan's ``TPGradScaler``, else plain ``torch.amp.GradScaler``.
+    ``mode``: ``step`` calls ``scaler.step`` alone (which unscales), ``unscale`` calls
+    ``scaler.unscale_`` first, ``fused`` uses fused AdamW (which unscales itself).
+    Per iteration: which parameters changed, found_inf (``unscale`` mode), the scale and
+    growth tracker after ``update()``, and the replicated parameter.
+    """
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(4, 3).chunk(ctx.world_size)[ctx.rank].clone())
+    shared = torch.nn.Parameter(torch.randn(3))
+    x = torch.randn(5, 3)
+    opt = torch.optim.AdamW([weight, shared], lr=0.1, fused=mode == "fused")
+    scaler = TPGradScaler("cpu") if agreeing else torch.amp.GradScaler("cpu")
+    out = []
+    for it in range(2):
+        before = [weight.detach().clone(), shared.detach().clone()]
+        opt.zero_grad(set_to_none=True)
+        loss = (x @ weight.T).square().sum() + shared.square().sum()
+        scaler.scale(loss).backward()
+        if it == 0 and ctx.rank == 1:
+            weight.grad[0, 0] = float("inf")
+        found = None
+        if mode == "unscale":
+            scaler.unscale_(opt)
+            found = scaler.found_inf(opt) if agreeing else None
+        scaler.step(opt)
+        scaler.update()
+        out.append({"changed": [not torch.equal(b, p) for b, p in zip(before, [weight, shared])],
+                    "found_inf": found, "scale": scaler.get_scale(),
+                    "tracker": scaler.state_dict()["_growth_tracker"],
+                    "shared": shared.detach().clone()})
+    return out
 
 
 def reference_losses(cfg: dict, dp: int) -> tuple[list[float], list[float]]:
