@@ -154,8 +154,9 @@ def annotate(gm: fx.GraphModule, tp: int, rules: RuleSet, *, strict: bool = Fals
                 raise LayoutError(c.reason, where=describe(c.node), source=source_of(c.node),
                                   fix="add a rule for this op, or drop strict=True to keep the "
                                       "region replicated")
-            for o in c.origins:
-                disabled.setdefault(o, (f"{c.reason} at {describe(c.node)}", not c.closes))
+            for o in c.origins:  # a fallback outranks a region that just does not close
+                if o not in disabled or (not c.closes and not disabled[o][1]):
+                    disabled[o] = (f"{c.reason} at {describe(c.node)}", not c.closes)
         if retry:
             continue
     ann.disabled = {n: why for n, (why, _) in disabled.items()}
@@ -321,15 +322,16 @@ class _Pass:
         labels = _labels(node, es)
         if labels is None:
             return _conflict(node, f"{op_name(node)}: operands do not match '{es.sig}'")
-        return _factor_rule(node, lays, labels, partial_ok=es.partial, shardable=es.shardable,
-                            rule=f"einsum {es.sig}")
+        return _factor_rule(node, lays, labels, self.tp, partial_ok=es.partial,
+                            shardable=es.shardable, rule=f"einsum {es.sig}")
 
     def _elementwise(self, node, lays) -> Outcome:
         out_rank = len(shape(node) or ())
         labels = {p: [f"d{out_rank - len(shape(a)) + i}" for i in range(len(shape(a)))]
                   for p, a in operands(node) if shape(a) is not None}
         labels["out"] = [f"d{i}" for i in range(out_rank)]
-        return _factor_rule(node, lays, labels, partial_ok=False, shardable=None, rule="elementwise")
+        return _factor_rule(node, lays, labels, self.tp, partial_ok=False, shardable=None,
+                            rule="elementwise")
 
     def _inspect(self, node, lays) -> Outcome:
         """Ops that only check their input (metadata asserts): no output to lay out."""
@@ -515,29 +517,48 @@ def _cumsum(xs):
 
 
 def _labels(node, es: Einsum) -> dict | None:
-    """Factor letters per operand dim (and "out"), expanding '...' from the right."""
-    ops = [(p, a) for p, a in operands(node) if shape(a) is not None and len(p) == 1]
-    ops = [(p, a) for p, a in ops if p[0] < len(es.operands)]
-    out: dict = {}
-    for p, a in ops:
+    """Factor letters per operand dim (and "out"), expanding '...' from the right.
+
+    An operand with fewer dims than its spec broadcasts (an attention mask
+    [T, T] against '...hqk'): its dims are the spec's last ones. Broadcasting
+    adds no dims to the output, so an operand with more '...' dims than the
+    output does not match (matmul with a 1-D operand drops a dim instead).
+    """
+    rank = len(shape(node))
+    out_body = es.output.removeprefix("...")
+    if rank < len(out_body):
+        return None
+    out: dict = {"out": _expand_labels(es.output, rank)}
+    batch = rank - len(out_body)
+    for p, a in operands(node):
+        if shape(a) is None or len(p) != 1 or p[0] >= len(es.operands):
+            continue
         spec = es.operands[p[0]]
         out[p] = _expand_labels(spec, len(shape(a)))
-        if out[p] is None:
+        if out[p] is None or len(shape(a)) - len(spec.removeprefix("...")) > batch:
             return None
-    out["out"] = _expand_labels(es.output, len(shape(node)))
     return out if out["out"] is not None else None
 
 
 def _expand_labels(spec: str, rank: int) -> list[str] | None:
+    """Letters for ``rank`` dims: '...' as ".n" … ".1"; fewer dims take the last letters."""
+    body = spec.removeprefix("...")
+    if rank <= len(body):
+        return list(body[len(body) - rank:])
     if spec.startswith("..."):
-        body = spec[3:]
         n = rank - len(body)
-        return None if n < 0 else [f".{n - i}" for i in range(n)] + list(body)
-    return list(spec[-rank:]) if rank <= len(spec) else None
+        return [f".{n - i}" for i in range(n)] + list(body)
+    return None
 
 
-def _factor_rule(node, lays, labels, *, partial_ok, shardable, rule) -> Outcome:
-    """The shared rule of einsum and elementwise ops: one sharded factor at most."""
+def _factor_rule(node, lays, labels, tp, *, partial_ok, shardable, rule) -> Outcome:
+    """The shared rule of einsum and elementwise ops: one sharded factor at most.
+
+    An operand of size 1 along the sharded factor (or without it) broadcasts
+    and is used whole. One with a smaller size that divides the full one is
+    grouped (SDPA's enable_gqa: query head i uses K/V head i // (H / KV)):
+    contiguous shards of both pair up when that size divides by tp.
+    """
     sizes: dict = {}
     for p, lab in labels.items():
         shp = shape(node) if p == "out" else shape(_operand(node, p))
@@ -563,11 +584,15 @@ def _factor_rule(node, lays, labels, *, partial_ok, shardable, rule) -> Outcome:
     for p, lab in labels.items():
         if p == "out":
             continue
-        a = _operand(node, p)
-        if f in lab and hint(shape(a)[lab.index(f)]) == sizes[f] and sizes[f] > 1:
+        size = hint(shape(_operand(node, p))[lab.index(f)]) if f in lab else 1
+        if size == 1:
+            needs[p] = R
+        elif size == sizes[f] or (sizes[f] % size == 0 and size % tp == 0
+                                  and not (blocks or padded)):
             needs[p] = Shard(lab.index(f), blocks, padded, replicas)
         else:
-            needs[p] = R
+            return _conflict(node, f"{op_name(node)}: operand {p} has {size} of the "
+                                   f"{sizes[f]} along the sharded factor {f!r}")
     if f in labels["out"]:
         return Outcome(Shard(labels["out"].index(f), blocks, padded, replicas), needs, rule=rule)
     if not partial_ok or padded:

@@ -49,6 +49,8 @@ class Block(nn.Module):
             h = torch.cumsum(h, dim=-1)  # no rule: not local on a split hidden dim
         elif self.mlp_op == "softmax":
             h = h.softmax(-1)  # a reduction across the split hidden dim
+        elif self.mlp_op == "softmax+cumsum":
+            h = h.softmax(-1) + torch.cumsum(h, dim=-1)  # both, on branches of one region
         return self.proj(h)
 
     def forward(self, x):
@@ -72,6 +74,41 @@ class TinyLM(nn.Module):
         if targets is None:
             return logits
         return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+class MaskedSDPA(nn.Module):
+    """SDPA with an additive mask passed in, of any shape that broadcasts to [B, H, T, T]."""
+
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads, self.hd = heads, dim // heads
+        self.wq, self.wk, self.wv = (nn.Linear(dim, dim) for _ in range(3))
+        self.wo = nn.Linear(dim, dim)
+
+    def forward(self, x, mask):
+        B, T, D = x.shape
+        q, k, v = (w(x).view(B, T, self.heads, self.hd).transpose(1, 2)
+                   for w in (self.wq, self.wk, self.wv))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.wo(y.transpose(1, 2).reshape(B, T, D))
+
+
+class GroupedSDPA(nn.Module):
+    """SDPA's own grouped-query attention: 4 query heads, 2 K/V heads (enable_gqa).
+    K/V are projected (sharded with the queries) or taken from the input (replicated)."""
+
+    def __init__(self, project_kv=True):
+        super().__init__()
+        self.wq, self.wo = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.wkv = nn.Linear(16, 16) if project_kv else None
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, 4, 4).transpose(1, 2)
+        kv = self.wkv(x) if self.wkv is not None else x
+        k, v = kv.view(B, T, 2, 8).transpose(1, 2).split(4, dim=-1)
+        y = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        return self.wo(y.transpose(1, 2).reshape(B, T, 16))
 
 
 class DataDependent(nn.Module):

@@ -251,11 +251,8 @@ def test_g_output_is_sliced_for_a_sharded_add():
     assert not isinstance(report, Exception) and report.ok, str(report)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "engine limitation: SDPA with a 2-D [T, T] attn_mask does not match the rule "
-    "'...hqd,...hkd,...hke,...hqk->...hqe' (the mask has fewer dims than '...hqk'), so the "
-    "attention stays replicated without a warning"))
 def test_sdpa_with_a_2d_mask_is_sharded():
+    """A [T, T] attn_mask broadcasts over batch and heads: the attention is sharded."""
     cfg = dataclasses.replace(CRASH, final_norm="layer")
     plan = shardplan.plan(build_model(cfg), 4, example_inputs=example_inputs(cfg))
     assert plan.param("blocks.0.attn.wq.weight").layout.startswith("S(0")

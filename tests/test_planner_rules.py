@@ -14,7 +14,7 @@ from shardplan.models import build
 from shardplan.ranks import SimulatedRanks
 
 from planner_cases import gather_grads, reference, sharded_step
-from planner_models import DataDependent, NoTokens, TinyLM
+from planner_models import DataDependent, GroupedSDPA, MaskedSDPA, NoTokens, TinyLM
 
 RULES = Path(__file__).resolve().parent.parent / "rules" / "megatron.toml"
 
@@ -79,6 +79,15 @@ def test_region_that_cannot_close_stays_replicated(op):
         shardplan.plan(model, 2, example_inputs=idx, strict=True)
 
 
+def test_fallback_warns_beside_a_region_that_does_not_close():
+    """A region reaching a softmax over the split dim (no warning) and, on another branch,
+    an op without a rule still warns about the missing rule."""
+    p = shardplan.plan(TinyLM(mlp_op="softmax+cumsum"), 2,
+                       example_inputs=torch.zeros(2, 4, dtype=torch.long))
+    assert p.param("blocks.0.fc.weight").layout == "R"
+    assert any("blocks.0.fc" in w and "cumsum" in w for w in p.warnings)
+
+
 def test_verify_catches_a_wrong_rule_and_names_the_node(tmp_path):
     """A rule set that wrongly calls softmax elementwise gives a silently wrong model;
     verify must say so and point at the softmax."""
@@ -129,6 +138,50 @@ def test_kv_heads_fewer_than_tp_are_held_by_rank_groups(kv, heads, tp):
     sums = [c for c in p.collectives if c.purpose == "replica_grad"]
     assert len(sums) == 2 * 2 and all(c.elements == kv * 16 * 16 * heads for c in sums)
     assert not p.warnings
+
+
+@pytest.mark.parametrize("mask_shape", ["TT", "11TT", "B1TT", "BHTT"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sdpa_mask_broadcasts_or_is_sliced_to_this_ranks_heads(tp, mask_shape):
+    """A mask with fewer dims, or size 1 on the heads, is used whole on every rank;
+    one with a head dim of its own is sliced like the query heads."""
+    B, H, T = 2, 4, 5
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(B, T, 32, generator=g)
+    sizes = {"B": B, "H": H, "T": T, "1": 1}
+    mask = torch.randn([sizes[c] for c in mask_shape], generator=g)  # differs per head
+    torch.manual_seed(0)
+    model = MaskedSDPA(heads=H)
+    report = shardplan.verify(model, tp, example_inputs=(x, mask))
+    assert report.ok, str(report)
+    p = shardplan.plan(model, tp, example_inputs=(x, mask))
+    assert p.param("wq.weight").layout == "S(0)" and p.param("wo.weight").layout == "S(1)"
+    assert not p.warnings
+
+
+@pytest.mark.parametrize("project_kv", [True, False])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sdpa_grouped_kv_heads_are_split_with_the_query_heads(tp, project_kv):
+    """enable_gqa with 2 K/V heads for 4 query heads: at tp=2 each rank pairs its query
+    heads with its K/V head (sliced when K/V are replicated). At tp=4 the K/V heads do not
+    split: projected ones are refused, replicated ones keep the attention replicated,
+    with a warning (an error under strict)."""
+    torch.manual_seed(0)
+    model, x = GroupedSDPA(project_kv), torch.randn(2, 5, 16)
+    if tp == 4 and project_kv:
+        with pytest.raises(shardplan.DivisibilityError, match="tp=4"):
+            shardplan.plan(model, tp, example_inputs=x)
+        return
+    report = shardplan.verify(model, tp, example_inputs=x)
+    assert report.ok, str(report)
+    p = shardplan.plan(model, tp, example_inputs=x)
+    if tp == 2:
+        assert p.param("wq.weight").layout == "S(0)" and not p.warnings
+        return
+    assert p.param("wq.weight").layout == "R"
+    assert any("wq" in w and "sharded factor 'h'" in w for w in p.warnings)
+    with pytest.raises(shardplan.LayoutError, match="sharded factor 'h'"):
+        shardplan.plan(model, tp, example_inputs=x, strict=True)
 
 
 def test_untraceable_forward_names_the_line():
