@@ -21,6 +21,7 @@ from pydantic import BaseModel, Field
 from .capture import Captured, capture, module_of, source_of
 from .engine import Annotation, annotate, hint, shape
 from .errors import CommunicationError
+from .inputs import check_dtypes
 from .layouts import Partial, Replicate, Shard
 from .rewrite import rewrite
 from .ruleset import RuleSet, load_rules
@@ -153,6 +154,7 @@ def plan(model: nn.Module, tp: int, *, example_inputs=None, rules="megatron",
     ruleset = load_rules(rules)
     args, kwargs = example_args(model, example_inputs)
     captured = capture(model, args, kwargs, truncate=True)
+    check_dtypes(captured.gm)
     ann = annotate(captured.gm, tp, ruleset, strict=strict)
     return build_plan(model, captured, ann, ruleset, args, kwargs)
 

@@ -15,6 +15,7 @@ from torch.utils import _pytree as pytree
 
 from .capture import PLANNING_LOCK, Captured, capture
 from .engine import Annotation, annotate
+from .inputs import check_dtypes
 from .layouts import Replicate
 from .plan import build_plan
 from .recompute import block_names, outline_blocks
@@ -130,6 +131,7 @@ class ShardedModule(nn.Module):
             source.train(training)
             try:
                 captured = capture(source, _to(args, device), _to(kwargs, device))
+                check_dtypes(captured.gm)
             finally:
                 source.train(was)
         return annotate(captured.gm, self._group.size, self._rules, strict=self._strict), captured

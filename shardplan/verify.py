@@ -1,9 +1,10 @@
 """verify: does the sharded model compute what the unsharded one does?
 
-Runs the model unsharded and, on simulated ranks in this process, sharded;
-compares outputs, loss and every parameter gradient (shards gathered). When
-they differ, replays both graphs node by node and names the first node whose
-value diverges.
+Checks the inputs' dtypes and token ids against the captured graph first (naming
+the module and source line), then runs the model unsharded and, on simulated
+ranks in this process, sharded; compares outputs, loss and every parameter
+gradient (shards gathered). When they differ, replays both graphs node by node
+and names the first node whose value diverges.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch.utils import _pytree as pytree
 
 from .capture import capture, module_of, source_of
 from .engine import op_name
+from .inputs import check_dtypes, check_token_ids
 from .layouts import Partial, Shard
 from .ranks import SimulatedRanks
 from .ruleset import load_rules
@@ -73,12 +75,14 @@ def verify(model: nn.Module, tp: int, *, example_inputs=None, loss_fn=None,
     args, kwargs = example_args(model, example_inputs)
     ruleset = load_rules(rules)
     model = copy.deepcopy(model).train(train)
+    captured = capture(model, args, kwargs)
+    check_dtypes(captured.gm)  # the real kernels would reject these with no module named
+    check_token_ids(captured.gm, args, kwargs)
     ref = copy.deepcopy(model)
     out = ref(*args, **kwargs)
     loss = _loss(out, loss_fn)
     loss.backward()
     ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
-    captured = capture(model, args, kwargs)
 
     def rank(ctx, record: bool):
         sharded = ShardedModule(copy.deepcopy(model), ctx.group, ruleset, example=(args, kwargs),

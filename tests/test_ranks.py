@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import os
 import time
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 
+import shardplan
 from shardplan.errors import CommunicationError
+from shardplan.models import build
 from shardplan.ranks import RealRanks, SimulatedRanks
 from shardplan.runtime.ledger import CommLedger
 
@@ -82,10 +86,30 @@ def _raise_on_rank1(ctx):
     return ctx.rank
 
 
-def _raise_on_rank1_peers_in_collective(ctx):
+def _raise_on_rank1_peers_in_collective(ctx, error):
     if ctx.rank == 1:
-        raise KeyError("missing")
+        raise error
     return ctx.group.all_reduce(torch.ones(2))
+
+
+def _shapes_differ(ctx):
+    return ctx.group.all_reduce(torch.ones(4 - ctx.rank), site="the test's site")
+
+
+_SHARDED: dict = {}  # per worker process (RealRanks): the model _parallelize_gpt built
+
+
+def _parallelize_gpt(ctx, timeout):
+    """gpt-tiny parallelized over a new group whose collectives time out after ``timeout``."""
+    torch.manual_seed(0)
+    group = dist.new_group(timeout=timedelta(seconds=timeout))
+    _SHARDED[ctx.rank] = shardplan.parallelize(build("gpt-tiny", n_layer=1), group=group,
+                                               example_inputs=torch.zeros(2, 4, dtype=torch.long))
+
+
+def _forward_on_rank0_only(ctx):
+    if ctx.rank == 0:  # rank 1 diverged: it never runs the forward
+        _SHARDED[ctx.rank](torch.zeros(2, 4, dtype=torch.long))
 
 
 def _skip_collective_on_rank1(ctx):
@@ -206,17 +230,19 @@ def test_error_surfaces(kind, real_ranks, sim_ranks):
 
 
 def test_error_while_peers_wait_in_collective(kind):
-    """The root cause wins over the peers' broken collectives, and fast."""
+    """The root cause wins over the peers' broken collectives, and fast, even when
+    it is a CommunicationError itself (a broken real pool respawns in between)."""
     with _runner(kind, 2, timeout=60) as ranks:
-        if kind == "real":
-            ranks.start()
-        t0 = time.monotonic()
-        with pytest.raises(KeyError, match="missing") as info:
-            ranks.run(_raise_on_rank1_peers_in_collective)
-        assert time.monotonic() - t0 < 15
-        if kind == "real":
-            assert "[rank 1] traceback" in _message(info.value)
-            assert ranks.run(_identity)[0] == (0, 2, 0, 2)  # respawned
+        for error in [KeyError("missing"), CommunicationError("missing", fix="none needed")]:
+            if kind == "real":
+                ranks.start()
+            t0 = time.monotonic()
+            with pytest.raises(type(error), match="missing") as info:
+                ranks.run(_raise_on_rank1_peers_in_collective, error)
+            assert time.monotonic() - t0 < 15
+            if kind == "real":
+                assert "[rank 1] traceback" in _message(info.value)
+                assert not ranks.alive  # killed: rank 0 was stuck in the collective
 
 
 @pytest.mark.timeout(60)
@@ -227,10 +253,45 @@ def test_rank_skips_collective(kind):
         if kind == "real":
             ranks.start()
         t0 = time.monotonic()
-        with pytest.raises(CommunicationError):
+        with pytest.raises(CommunicationError, match="all_reduce at .*test_ranks.py:[0-9]+ "
+                                                     "timed out after 5s") as info:
             ranks.run(_skip_collective_on_rank1)
         elapsed = time.monotonic() - t0
         assert timeout * 0.5 <= elapsed <= timeout + 5, elapsed
+        absent = "rank 1 never arrived" if kind == "simulated" else "rank 1 had returned from fn"
+        assert absent in _message(info.value)
+
+
+def test_ranks_disagree_on_shape(kind, monkeypatch):
+    """Simulated ranks compare shapes; gloo does so under TORCH_DISTRIBUTED_DEBUG=DETAIL
+    (without, rank 1 gets a wrong sum and rank 0 times out)."""
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")  # read by the spawned workers
+    with _runner(kind, 2, timeout=30) as ranks:
+        t0 = time.monotonic()
+        with pytest.raises(CommunicationError,
+                           match="ranks disagree at all_reduce at the test's site") as info:
+            ranks.run(_shapes_differ)
+        assert time.monotonic() - t0 < 25  # real: start-up included
+    if kind == "simulated":
+        assert "rank 0 passes shape (4,)" in str(info.value)
+        assert "rank 1 passes shape (3,)" in str(info.value)
+
+
+@pytest.mark.real
+@pytest.mark.timeout(90)
+def test_real_collective_timeout_names_site_and_absent_rank():
+    """A rank that skips a sharded model's forward: its peer fails within the group's
+    timeout, naming the collective's site in the model and the rank that returned."""
+    timeout = 3
+    with RealRanks(2, timeout=60) as ranks:
+        ranks.run(_parallelize_gpt, timeout)
+        t0 = time.monotonic()
+        with pytest.raises(CommunicationError, match=r"rank 0: all_reduce at \S*transformer\.wte "
+                                                     r"timed out after 3s") as info:
+            ranks.run(_forward_on_rank0_only)
+        elapsed = time.monotonic() - t0
+        assert timeout * 0.5 <= elapsed <= timeout + 5, elapsed
+        assert "rank 1 had returned from fn" in _message(info.value)
 
 
 @pytest.mark.real

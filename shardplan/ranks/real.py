@@ -13,9 +13,12 @@ arguments (nothing is shared memory) and returned tensors are detached,
 compacted CPU copies.
 
 Failures: an exception on a rank is re-raised here with its type (when it
-pickles) and the rank's traceback appended. If a rank does not answer within
-``timeout`` (plus a short grace, so gloo's own timeout can report first), dies,
-or reports a ``CommunicationError``, or a rank fails while its peers stay
+pickles) and the rank's traceback appended; of several, a rank's own error
+wins over the collective failures it caused in its peers. A collective
+timeout names the collective's site, and a note names the ranks that had
+returned without joining it. If a rank does not answer within ``timeout``
+(plus a short grace, so gloo's own timeout can report first), dies, or
+reports a ``CommunicationError``, or a rank fails while its peers stay
 stuck, the pool is killed and ``run()`` raises; the next ``run()`` spawns a
 fresh pool. After ``close()``, ``run()`` raises ``ConfigurationError``.
 """
@@ -38,7 +41,7 @@ from torch.utils._pytree import tree_map
 
 from ..errors import CommunicationError, ConfigurationError
 from ..runtime.comm import TorchGroup
-from .base import RankContext, Ranks
+from .base import RankContext, Ranks, check_world_size, grace, root_cause
 
 _HOST = "127.0.0.1"
 
@@ -47,8 +50,7 @@ class RealRanks(Ranks):
     """A pool of ``world_size`` gloo worker processes (see the module docstring)."""
 
     def __init__(self, world_size: int, timeout: float = 120.0, startup_timeout: float = 180.0):
-        if world_size < 1:
-            raise ConfigurationError(f"world_size must be >= 1, got {world_size}")
+        check_world_size(world_size)
         self.world_size, self.timeout = world_size, float(timeout)
         # spawning Python and importing torch takes seconds, more on a loaded machine:
         # start-up gets its own limit, so a short collective timeout stays usable
@@ -88,7 +90,7 @@ class RealRanks(Ranks):
         replies, errors = self._collect(self.startup_timeout, "start-up")
         if errors or len(replies) < self.world_size:
             self._kill()
-            _raise(errors)
+            raise root_cause(errors)
         self.spawn_seconds = time.monotonic() - t0
 
     def close(self) -> None:
@@ -138,20 +140,27 @@ class RealRanks(Ranks):
                 self._kill()
                 raise CommunicationError(f"a RealRanks worker is gone: {e}") from e
             try:
-                replies, errors = self._collect(self.timeout + _grace(self.timeout), "task")
+                replies, errors = self._collect(self.timeout + grace(self.timeout), "task")
             except BaseException:  # interrupted (Ctrl-C, test timeout): results would go stale
                 self._kill()
                 raise
             if any(isinstance(e, CommunicationError) for e in errors.values()):
                 self._kill()  # peers may be stuck or out of step: respawn next run
-            _raise(errors)
+            if errors:
+                error = root_cause(errors)
+                if getattr(error, "secondary", False) and replies:
+                    error.add_note(", ".join(f"rank {r}" for r in sorted(replies)) +
+                                   " had returned from fn without joining this collective")
+                raise error
             return [replies[r] for r in range(self.world_size)]
 
     def _collect(self, timeout: float, what: str):
         """One reply per rank: (results by rank, errors by rank).
 
         Fails fast when a worker dies; once a rank has failed, waits only a
-        short grace for the others. Missing ranks are reported as errors.
+        short grace for the others. Each answer restarts the wait for the rest:
+        they may be in a collective the answered rank skipped, which their own
+        timeout reports by name. Missing ranks are reported as errors.
         """
         start = time.monotonic()
         deadline = start + timeout
@@ -161,7 +170,7 @@ class RealRanks(Ranks):
         while pending:
             now = time.monotonic()
             if errors:
-                deadline = min(deadline, now + _grace(self.timeout))
+                deadline = min(deadline, now + grace(self.timeout))
             ready = wait(list(pending.values()) +
                          [self._procs[r].sentinel for r in pending], max(0.0, deadline - now))
             for r, c in list(pending.items()):
@@ -175,6 +184,7 @@ class RealRanks(Ranks):
                     del pending[r]
                     if ok:
                         replies[r] = payload
+                        deadline = max(deadline, time.monotonic() + timeout)
                     else:
                         errors[r] = payload if isinstance(payload, BaseException) \
                             else _rebuild(r, *payload)
@@ -185,34 +195,22 @@ class RealRanks(Ranks):
             if pending and time.monotonic() >= deadline:
                 late = sorted(pending)
                 after = f" (ranks {sorted(errors)} had failed)" if errors else ""
-                errors.update({r: CommunicationError(
-                    f"RealRanks ranks {late} did not answer {what} within "
-                    f"{time.monotonic() - start:.1f}s{after}",
-                    fix="a rank is stuck (in a collective its peers skipped, or in fn); "
-                        "the pool was killed. Raise timeout for slow work") for r in late})
+                for r in late:
+                    errors[r] = CommunicationError(
+                        f"RealRanks ranks {late} did not answer {what} within "
+                        f"{time.monotonic() - start:.1f}s{after}",
+                        fix="a rank is stuck (in a collective its peers skipped, or in fn); "
+                            "the pool was killed. Raise timeout for slow work")
+                    errors[r].secondary = bool(after)  # stuck waiting for the failed ranks
                 break
         return replies, errors
 
     def _died(self, rank: int, what: str) -> CommunicationError:
         p = self._procs[rank]
         p.join(1.0)
-        e = CommunicationError(
+        return CommunicationError(
             f"RealRanks rank {rank} died during {what} (exit code {p.exitcode})",
             fix="see the worker's output above; it crashed or was killed")
-        e.root_cause = True  # its peers' broken collectives are consequences
-        return e
-
-
-def _grace(timeout: float) -> float:
-    return min(2.0, max(0.5, 0.1 * timeout))
-
-
-def _raise(errors: dict) -> None:
-    """Raise the root cause: a rank's own error, else a death, else the first error."""
-    if errors:
-        ranks = sorted(errors, key=lambda r: (isinstance(errors[r], CommunicationError)
-                                              and not getattr(errors[r], "root_cause", False), r))
-        raise errors[ranks[0]]
 
 
 def _rebuild(rank: int, exc_bytes, type_name: str, message: str, tb: str) -> BaseException:

@@ -6,55 +6,60 @@ share torch's default CPU generator: code whose result depends on random
 numbers drawn inside the ranks (dropout) belongs on ``RealRanks``. They also
 share every object they are given: give each rank its own copy of a model
 (``copy.deepcopy``), or its replicated parameters are one object on all ranks.
+
+``timeout`` bounds each collective's wait for the other ranks (the error
+names the collective and the ranks that never arrived); ``run()`` gives up
+when no rank has entered, left or finished a collective or ``fn`` for
+``timeout`` (plus a short grace), as when a rank is stuck outside collectives.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 
 from ..errors import CommunicationError
 from ..runtime.comm import Rendezvous, ThreadGroup
-from .base import RankContext, Ranks
+from .base import RankContext, Ranks, check_world_size, grace, root_cause
 
 
 class SimulatedRanks(Ranks):
     def __init__(self, world_size: int, timeout: float = 120.0):
+        check_world_size(world_size)
         self.world_size, self.timeout = world_size, timeout
 
     def run(self, fn, *args):
         n = self.world_size
         rv = Rendezvous(n, timeout=self.timeout)
         results: list = [None] * n
-        errors: list[BaseException | None] = [None] * n
+        errors: dict[int, BaseException] = {}
 
         def body(rank: int) -> None:
             try:
                 ctx = RankContext(rank, n, ThreadGroup(rank, rv))
                 results[rank] = fn(ctx, *args)
+                rv.returned.add(rank)
             except BaseException as e:  # reported below, in the caller's thread
                 e.add_note(f"[simulated rank {rank}]")
                 errors[rank] = e
-                rv.abort()
+                rv.abort(rank)
+            rv.progress = time.monotonic()
 
         threads = [threading.Thread(target=body, args=(r,), daemon=True,
                                     name=f"shardplan-rank{r}") for r in range(n)]
         for t in threads:
             t.start()
+        limit = self.timeout + grace(self.timeout)
         for t in threads:
-            t.join(self.timeout)
-        if any(t.is_alive() for t in threads):
+            while t.is_alive() and time.monotonic() - rv.progress < limit:
+                t.join(max(0.01, rv.progress + limit - time.monotonic()))
+        stuck = [r for r, t in enumerate(threads) if t.is_alive()]
+        if stuck:
             rv.abort()
             raise CommunicationError(
-                f"simulated ranks did not finish within {self.timeout}s",
-                fix="a rank is stuck outside a collective; raise the timeout or check fn")
-        _raise_first(errors)
+                f"simulated ranks {stuck} did not finish: no rank entered or left a collective "
+                f"for {self.timeout:g}s",
+                fix="a rank is stuck outside a collective (in fn); raise the timeout for slow work")
+        if errors:
+            raise root_cause(errors)
         return results
-
-
-def _raise_first(errors: list[BaseException | None]) -> None:
-    """Raise the root cause: a rank's own error before its peers' broken barriers."""
-    failed = [e for e in errors if e is not None]
-    if not failed:
-        return
-    own = [e for e in failed if not isinstance(e, CommunicationError)]
-    raise (own or failed)[0]

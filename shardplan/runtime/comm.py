@@ -4,6 +4,15 @@ A ``Group`` is what every runtime primitive talks to. ``TorchGroup`` wraps a
 ``torch.distributed`` process group (gloo on CPU, NCCL on GPU);
 ``ThreadGroup`` connects N threads of one process (the simulated runner).
 Every collective is recorded in the active ``CommLedger``s of its thread.
+
+Errors name the collective and its site in the model. A ``CommunicationError``
+a rank gets because of a peer (a peer failed, or never arrived before the
+timeout) has ``secondary = True``: the rank runners report a rank's own error
+first. ``ThreadGroup`` checks that every rank passes a tensor of the same
+shape and dtype to the same kind of collective. Real backends do not: gloo
+may hang or return a wrong sum; set ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` to make
+torch check every collective across ranks (an extra exchange per collective;
+its error is reported as ranks disagreeing).
 """
 
 from __future__ import annotations
@@ -11,6 +20,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -62,6 +72,7 @@ class Group:
         return self._broadcast(t.contiguous(), src)
 
     def barrier(self) -> None:
+        _CURRENT.op = ("barrier", None)
         if self.size > 1:
             self._barrier()
 
@@ -74,6 +85,8 @@ class Group:
         return self  # a group is a handle on ranks, never copied with a module
 
     def _log(self, kind, elements, elsize, direction, site, op="sum"):
+        """Record the collective in the ledger; remember it for error messages."""
+        _CURRENT.op = (kind, site)
         if ledger.recording():
             ledger.record(ledger.CommRecord(
                 kind=kind, group_size=self.size, elements=elements,
@@ -82,6 +95,19 @@ class Group:
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_CURRENT = threading.local()  # .op: (kind, site) of this thread's latest collective
+
+
+def _running() -> str:
+    """``"kind at site"`` for this thread's current collective (for error messages)."""
+    kind, site = getattr(_CURRENT, "op", ("collective", None))
+    return f"{kind} at {site or _caller()}"
+
+
+def _secondary(e: CommunicationError) -> CommunicationError:
+    """Mark ``e`` as caused by a peer (see the module docstring)."""
+    e.secondary = True
+    return e
 
 
 def _caller() -> str:
@@ -124,50 +150,110 @@ class TorchGroup(Group):
 
     def _all_reduce(self, t, op):
         out = t.clone()
-        _checked(dist.all_reduce, out, op=_TORCH_OPS[op], group=self.pg)
+        self._checked(dist.all_reduce, out, op=_TORCH_OPS[op], group=self.pg)
         return out
 
     def _all_gather(self, t, dim):
         parts = [torch.empty_like(t) for _ in range(self.size)]
-        _checked(dist.all_gather, parts, t, group=self.pg)
+        self._checked(dist.all_gather, parts, t, group=self.pg)
         return torch.cat(parts, dim)
 
     def _reduce_scatter(self, t, dim):
         parts = [p.contiguous() for p in t.chunk(self.size, dim)]
         out = torch.empty_like(parts[0])
-        _checked(dist.reduce_scatter, out, parts, group=self.pg)
+        self._checked(dist.reduce_scatter, out, parts, group=self.pg)
         return out
 
     def _broadcast(self, t, src):
         out = t.clone()
-        _checked(dist.broadcast, out, src=dist.get_global_rank(self.pg, src)
-                 if self.pg is not None else src, group=self.pg)
+        self._checked(dist.broadcast, out, src=dist.get_global_rank(self.pg, src)
+                      if self.pg is not None else src, group=self.pg)
         return out
 
     def _barrier(self):
-        _checked(dist.barrier, group=self.pg)
+        self._checked(dist.barrier, group=self.pg)
+
+    def _checked(self, fn, *args, **kwargs):
+        """``fn(...)``, with gloo's/NCCL's errors (timeouts, dead peers, and the
+        mismatches ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` finds) as ``CommunicationError``."""
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as e:
+            what = _running()
+            detail = str(e).splitlines()[0]
+            fix = ("another rank died, diverged (skipped this collective, or called the model "
+                   "with other input shapes) or is too slow; check its log. The timeout is "
+                   "init_process_group(timeout=...); TORCH_DISTRIBUTED_DEBUG=DETAIL makes torch "
+                   "check every collective's shapes across ranks")
+            if "Detected mismatch between collectives" in detail:
+                message = f"ranks disagree at {what}: {detail}"
+                fix = _SAME_SHAPES
+            elif "timed out" in detail.lower() or "timeout" in detail.lower():
+                limit = self._timeout()
+                after = f" after {limit:g}s" if limit is not None else ""
+                message = (f"rank {self.rank}: {what} timed out{after} (a peer never arrived): "
+                           f"{detail}")
+            else:
+                message = f"rank {self.rank}: {what} failed: {detail}"
+            raise _secondary(CommunicationError(message, fix=fix)) from e
+
+    def _timeout(self) -> float | None:
+        """The process group's collective timeout in seconds, where torch exposes it."""
+        try:
+            pg = self.pg or dist.group.WORLD
+            return pg._get_backend(self.device).options._timeout.total_seconds()
+        except (AttributeError, RuntimeError):  # a backend without options: say no number
+            return None
 
 
-def _checked(fn, *args, **kwargs):
-    try:
-        return fn(*args, **kwargs)
-    except RuntimeError as e:  # gloo/NCCL report timeouts and dead peers this way
-        raise CommunicationError(
-            f"collective {fn.__name__} failed: {str(e).splitlines()[0]}",
-            fix="another rank died, diverged or is too slow; check its log. "
-                "The timeout is init_process_group(timeout=...)") from e
+_SAME_SHAPES = ("every rank of a tensor-parallel group must make the same collectives with "
+                "tensors of the same shape and dtype: call the sharded model with the same "
+                "inputs (the same batch and sequence shapes) on every rank of the group")
 
 
 class Rendezvous:
-    """Shared state of a ``ThreadGroup``: one slot per rank and a barrier."""
+    """Shared state of a ``ThreadGroup``: one slot per rank, a barrier, and who
+    is waiting in it (to name the ranks that never arrived when it times out)."""
 
     def __init__(self, size: int, timeout: float = 60.0):
-        self.size = size
+        self.size, self.timeout = size, timeout
         self.slots: list = [None] * size
         self.barrier = threading.Barrier(size, timeout=timeout)
+        self.waiting = [False] * size
+        self.returned: set[int] = set()  # ranks whose function returned (set by the runner)
+        self.failed: int | None = None  # the first rank that failed (set by abort)
+        self.progress = time.monotonic()  # last arrival, departure or return of any rank
 
-    def abort(self) -> None:
+    def abort(self, failed: int | None = None) -> None:
+        """Break the barrier; every waiting rank raises. ``failed``: the rank that failed."""
+        if self.failed is None:
+            self.failed = failed
         self.barrier.abort()
+
+    def wait(self, rank: int) -> None:
+        self.waiting[rank] = True
+        self.progress = time.monotonic()
+        try:
+            self.barrier.wait()
+        except threading.BrokenBarrierError:
+            raise self._broken(rank) from None  # waiting[rank] stays set: the run is over
+        self.waiting[rank] = False
+        self.progress = time.monotonic()
+
+    def _broken(self, rank: int) -> CommunicationError:
+        what = _running()
+        if self.failed is not None:
+            return _secondary(CommunicationError(
+                f"simulated rank {rank}: {what} broke off: rank {self.failed} failed",
+                fix=f"see rank {self.failed}'s error"))
+        absent = [f"rank {r} never arrived" + (" (it had returned)" if r in self.returned else "")
+                  for r in range(self.size) if not self.waiting[r]]
+        return _secondary(CommunicationError(
+            f"simulated rank {rank}: {what} timed out after {self.timeout:g}s: "
+            f"{', '.join(absent) or 'a rank never arrived'}",
+            fix="every rank must make the same collectives in the same order: a rank skipped "
+                "this one or diverged (other control flow, inputs or model); raise the timeout "
+                "if a rank is only slow"))
 
 
 class ThreadGroup(Group):
@@ -181,20 +267,15 @@ class ThreadGroup(Group):
         self.rank, self.size, self.rv = rank, rendezvous.size, rendezvous
 
     def _exchange(self, t: torch.Tensor) -> list[torch.Tensor]:
-        self.rv.slots[self.rank] = t
-        self._wait()
+        self.rv.slots[self.rank] = (_CURRENT.op[0], t)
+        self.rv.wait(self.rank)
         parts = list(self.rv.slots)
-        self._wait()  # nobody overwrites a slot before everyone has read it
-        return parts
-
-    def _wait(self):
-        try:
-            self.rv.barrier.wait()
-        except threading.BrokenBarrierError:
-            raise CommunicationError(
-                f"simulated rank {self.rank}: a peer failed or timed out "
-                f"after {self.rv.barrier._timeout}s in a collective",
-                fix="see the first failing rank's error") from None
+        self.rv.wait(self.rank)  # nobody overwrites a slot before everyone has read it
+        if len({(k, p.shape, p.dtype) for k, p in parts}) > 1:  # every rank raises alike
+            sent = "; ".join(f"rank {r} passes shape {tuple(p.shape)} {p.dtype} to {k}"
+                             for r, (k, p) in enumerate(parts))
+            raise CommunicationError(f"ranks disagree at {_running()}: {sent}", fix=_SAME_SHAPES)
+        return [p for _, p in parts]
 
     def _all_reduce(self, t, op):
         parts = self._exchange(t)
@@ -214,7 +295,7 @@ class ThreadGroup(Group):
         return self._exchange(t)[src].clone()
 
     def _barrier(self):
-        self._wait()
+        self.rv.wait(self.rank)
 
 
 def as_group(group=None) -> Group:
