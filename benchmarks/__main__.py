@@ -29,6 +29,8 @@ BENCHMARKS = {
                     ["--quick"]),
     "memory": ("parameter, gradient and AdamW bytes per rank at tp 1-8 against theory",
                ["--quick"]),
+    "recompute": ("activation memory per rank and forward+backward time with and without "
+                  "recompute=True, tp 1 and 2", ["--quick"]),
     "gpu": ("tp=1 overhead and the 8.3B layer's tp=8 shard on one CUDA GPU (skips without)",
             ["--quick"]),
 }
