@@ -86,7 +86,13 @@ def example_args(model: nn.Module, example_inputs) -> tuple[tuple, dict]:
             return (), example_inputs
         if isinstance(example_inputs, torch.Tensor):
             return (example_inputs,), {}
-        return tuple(example_inputs), {}
+        if isinstance(example_inputs, (tuple, list)):
+            return tuple(example_inputs), {}
+        raise CaptureError(
+            f"example_inputs for {type(model).__name__} is a {type(example_inputs).__name__}",
+            where=type(model).__name__,
+            fix="pass a tensor, a tuple/list of positional arguments or a dict of keyword "
+                "arguments, shaped as you call the model")
     embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
     if not embeddings:
         raise CaptureError(

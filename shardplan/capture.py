@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
+import sysconfig
 import threading
 import traceback
 from dataclasses import dataclass
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 import torch.nn as nn
+import torch.utils._pytree as pytree
 from torch.export import Dim
 
 from .errors import CaptureError
@@ -28,6 +31,12 @@ GUARDS = "_guards_fn"
 # torch.export and the fake tensors it leaves in node.meta keep state that is not
 # thread-safe: capturing and planning hold this lock (simulated ranks are threads).
 PLANNING_LOCK = threading.RLock()
+# what torch.export takes as an input leaf (inside tuples, lists, dicts and registered pytrees)
+_LEAVES = (torch.Tensor, int, float, bool, str, type(None), nn.Module, torch.ScriptObject)
+# frames in these trees are not the user's code
+_LIBRARIES = tuple({os.path.realpath(d) + os.sep for d in (
+    os.path.dirname(torch.__file__), os.path.dirname(__file__),
+    sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"])})
 
 
 @dataclass
@@ -47,7 +56,9 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     with their first two only (planning a deep model in seconds); the plan
     stamps block 1's decisions onto the rest.
     """
-    args, kwargs = _unaliased(tuple(args), dict(kwargs or {}))
+    args, kwargs = tuple(args), dict(kwargs or {})
+    check_inputs(model, args, kwargs)
+    args, kwargs = _unaliased(args, kwargs)
     with PLANNING_LOCK, _truncated(model) if truncate else contextlib.nullcontext({}) as cut:
         try:
             gm = _export(model, args, kwargs)
@@ -66,6 +77,46 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
                         "tensor values, no .item()), or pass example_inputs matching how "
                         "you call the model") from first
     return Captured(gm, _aliases(model), cut)
+
+
+def check_inputs(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """``model(*args, **kwargs)`` binds to the forward and passes only what export takes."""
+    name = type(model).__name__
+    sig = inspect.signature(model.forward)
+    fix = ("pass example_inputs as the model is called: one tensor, a tuple of positional "
+           "arguments or a dict of keyword arguments, holding tensors and plain values "
+           "(int, float, bool, str, None)")
+    try:
+        bound = sig.bind(*args, **kwargs)
+    except TypeError as e:
+        given = ", ".join([*map(_describe, args),
+                           *(f"{k}={_describe(v)}" for k, v in kwargs.items())])
+        raise CaptureError(f"the inputs ({given}) do not fit {name}.forward{sig}: {e}",
+                           where=name, source=_definition(model.forward), fix=fix) from None
+    for arg, value in bound.arguments.items():
+        for path, leaf in pytree.tree_flatten_with_path(value)[0]:
+            if not isinstance(leaf, _LEAVES):
+                raise CaptureError(
+                    f"{name}.forward gets a {type(leaf).__module__}.{type(leaf).__qualname__} as "
+                    f"{arg}{pytree.keystr(path)}, which torch.export cannot take",
+                    where=name, source=_definition(model.forward),
+                    fix=f"{fix}; convert arrays with torch.as_tensor")
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"Tensor{list(value.shape)}"
+    text = repr(value)
+    return text if len(text) <= 40 else f"{type(value).__name__}(...)"
+
+
+def _definition(fn) -> str | None:
+    """``file:line: def ...`` of a function, when its source is available."""
+    try:
+        lines, lineno = inspect.getsourcelines(fn)
+        return f"{inspect.getsourcefile(fn)}:{lineno}: {lines[0].strip()}"
+    except (OSError, TypeError):
+        return None
 
 
 def _unaliased(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -176,13 +227,15 @@ def _first_line(e: BaseException) -> str:
 
 
 def _user_line(e: BaseException) -> str | None:
-    """The innermost frame of the user's code (outside torch and shardplan)."""
+    """The innermost frame of the user's code: not torch, shardplan, the standard library
+    or an installed package (Hugging Face model code counts as the user's)."""
     best = None
     for frame in traceback.extract_tb(e.__traceback__):
-        path = frame.filename.replace("\\", "/")
-        if "/torch/" in path or "/shardplan/" in path or "/site-packages/" in path and "transformers" not in path:
-            continue
         if frame.filename.startswith("<"):
+            continue
+        path = os.path.realpath(frame.filename)
+        if "transformers" not in path and (path.startswith(_LIBRARIES) or "site-packages" in path
+                                           or "dist-packages" in path):
             continue
         best = f"{frame.filename}:{frame.lineno}: {(frame.line or '').strip()}"
     return best

@@ -2,7 +2,10 @@
 
 A rule set is a TOML file (see ``rules/megatron.toml``), parsed and
 validated; nothing in it is executed. ``load_rules("megatron")`` loads a
-bundled set, ``load_rules(path)`` a user's.
+bundled set, ``load_rules(path)`` a user's. Beyond its schema, a rule set must
+be of a version this shardplan reads, name only ATen ops this torch has, list
+each op under one kind, and give every opener an einsum signature holding its
+factor.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ import sys
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .errors import RuleError
 
@@ -23,6 +27,8 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 _SIG = re.compile(r"^(\.\.\.)?[a-z]*(,(\.\.\.)?[a-z]*)*->(\.\.\.)?[a-z]*$")
+_REDUCE_DIM = re.compile(r"^(\d+|last:\d+|all)$")
+VERSIONS = (1,)  # the rule-file versions this shardplan reads
 
 
 class _Strict(BaseModel):
@@ -32,7 +38,7 @@ class _Strict(BaseModel):
 class Opener(_Strict):
     op: str
     weight: int
-    factor: str
+    factor: str = Field(pattern=r"^[a-z]$")
 
 
 class VocabEmbedding(_Strict):
@@ -85,6 +91,14 @@ class Einsum(_Strict):
 class Reduce(_Strict):
     dim: str  # "N" (argument N holds the dims), "last:N", or "all"
 
+    @field_validator("dim")
+    @classmethod
+    def _parse(cls, v: str) -> str:
+        if not _REDUCE_DIM.match(v):
+            raise ValueError(f"bad reduce dim {v!r}: expected 'N' (argument N holds the dims), "
+                             "'last:N' (the last len(argument N) dims) or 'all'")
+        return v
+
 
 class Ops(_Strict):
     elementwise: list[str] = []
@@ -130,6 +144,7 @@ def _bundled_dir():
 def load_rules(rules: str | Path | RuleSet = "megatron") -> RuleSet:
     """A bundled rule set by name, or a rule file by path."""
     if isinstance(rules, RuleSet):
+        _check(rules, f"rule set {rules.name!r}")
         return rules
     return _load(str(rules))
 
@@ -147,12 +162,96 @@ def _load(rules: str) -> RuleSet:
         try:
             text, where = path.read_text(), str(path)
         except OSError as e:
-            raise RuleError(f"cannot read rule file: {e}", where=str(path)) from e
+            raise RuleError(f"cannot read rule file: {e}", where=str(path),
+                            fix="check the path (relative paths start from the working "
+                                "directory), or pass a bundled rule set's name, e.g. "
+                                "'megatron'") from e
     try:
-        return RuleSet.model_validate(tomllib.loads(text))
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise RuleError(f"rule file does not parse: {e}", where=where,
                         fix="fix the TOML syntax at that line") from e
+    _check_version(data.get("version"), where)  # before the schema, which may differ
+    try:
+        ruleset = RuleSet.model_validate(data)
     except ValidationError as e:
         raise RuleError(f"rule file is not a valid rule set:\n{e}", where=where,
                         fix="compare with the bundled rules/megatron.toml") from e
+    _check(ruleset, where)
+    return ruleset
+
+
+def _check_version(version, where: str) -> None:
+    if isinstance(version, int) and version not in VERSIONS:
+        raise RuleError(f"rule file of version {version}; this shardplan reads version "
+                        f"{' or '.join(map(str, VERSIONS))}", where=where,
+                        fix="write the rules for a supported version (compare with the bundled "
+                            "rules/megatron.toml), or use the shardplan release they were "
+                            "written for")
+
+
+def _check(rules: RuleSet, where: str) -> None:
+    """What the schema cannot see: version, op names, one kind per op, openers."""
+    _check_version(rules.version, where)
+    strategy = rules.strategy
+    named = [o.op for o in strategy.open] + list(strategy.random)
+    named += [s.op for s in (strategy.vocab_embedding, strategy.vocab_loss) if s is not None]
+    tables = {"einsum": rules.einsum, "reduce": rules.reduce,
+              **{kind: getattr(rules.ops, kind) for kind in Ops.model_fields}}
+    kinds: dict[str, list[str]] = {}  # op -> the kinds listing it
+    for kind, ops in tables.items():
+        for op in dict.fromkeys(ops):
+            kinds.setdefault(op, []).append(kind)
+    for op in dict.fromkeys(named + list(kinds)):
+        _check_op_name(op, where)
+    for op, listed in kinds.items():
+        if len(listed) > 1:
+            raise RuleError(f"{op} is listed under {len(listed)} kinds: {' and '.join(listed)}",
+                            where=where,
+                            fix=f"keep {op} under the one kind that describes it and delete "
+                                "the other entries")
+    for op, es in rules.einsum.items():
+        letters = set(es.sig) - set(".,->")
+        stray = sorted(set(es.shardable or "") - letters - {"."})
+        if stray:
+            raise RuleError(f"einsum rule of {op}: shardable {es.shardable!r} names "
+                            f"{', '.join(map(repr, stray))}, not a factor of {es.sig!r}",
+                            where=where,
+                            fix="list in shardable only letters of the signature ('.' for the "
+                                "'...' dims)")
+    for o in strategy.open:
+        es = rules.einsum.get(o.op)
+        if es is None:
+            raise RuleError(f"opener {o.op} (strategy.open) has no einsum signature",
+                            where=where,
+                            fix=f'add "{o.op}" = {{ sig = "..." }} under [einsum] (see '
+                                "rules/megatron.toml), or remove it from strategy.open")
+        if not 0 <= o.weight < len(es.operands):
+            raise RuleError(f"opener {o.op}: weight = {o.weight}, but its einsum signature "
+                            f"{es.sig!r} has {len(es.operands)} operands", where=where,
+                            fix="set weight to the position of the weight among the operands, "
+                                "counting from 0")
+        if o.factor not in es.operands[o.weight] or o.factor not in es.output:
+            raise RuleError(f"opener {o.op}: factor {o.factor!r} is not a dim of both its weight "
+                            f"({es.operands[o.weight]!r}) and its output ({es.output!r}) in "
+                            f"{es.sig!r}", where=where,
+                            fix="set factor to the letter of the output features that the "
+                                "column-parallel split cuts, e.g. 'n' in '...k,nk,n->...n'")
+
+
+def _check_op_name(op: str, where: str) -> None:
+    """An ``aten.`` name must be an ATen overload of this torch: a misspelt one never matches."""
+    parts = op.split(".")
+    if parts[0] != "aten":
+        return
+    packet = getattr(torch.ops.aten, parts[1], None) if len(parts) > 1 else None
+    if not isinstance(packet, torch._ops.OpOverloadPacket):
+        raise RuleError(f"{op} is not an ATen operator of torch {torch.__version__}", where=where,
+                        fix="spell the op as torch.export writes it, aten.<op>.<overload> "
+                            "(e.g. aten.linear.default), or delete the entry")
+    if len(parts) != 3 or parts[2] not in packet.overloads():
+        overloads = ", ".join(f"aten.{parts[1]}.{o}" for o in packet.overloads()
+                              if not o.endswith("out"))  # export never writes out= variants
+        what = f"{op} names no overload" if len(parts) == 2 else \
+            f"{op} is not an overload of aten.{parts[1]}"
+        raise RuleError(what, where=where, fix=f"name one overload: {overloads}")

@@ -98,9 +98,9 @@ def test_unknown_preset():
 
 
 def test_config_validation():
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigurationError, match="n_heads=4 is not divisible by n_kv_heads=3"):
         LlamaConfig(vocab_size=8, dim=64, n_layers=1, n_heads=4, n_kv_heads=3, ffn_hidden=8)
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigurationError, match="n_embd=32 is not divisible by n_head=3"):
         GPTConfig(vocab_size=8, block_size=8, n_layer=1, n_head=3, n_embd=32)
     assert LlamaConfig(vocab_size=8, dim=64, n_layers=1, n_heads=4, ffn_hidden=8).n_kv_heads == 4
 

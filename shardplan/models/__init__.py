@@ -2,6 +2,7 @@
 
 import contextlib
 import dataclasses
+import difflib
 
 import torch
 import torch.nn as nn
@@ -40,6 +41,14 @@ def build(name: str, device=None, **overrides) -> nn.Module:
     if name not in PRESETS:
         _unknown_preset(name)
     family, config = PRESETS[name]
+    fields = [f.name for f in dataclasses.fields(config)]
+    for key in overrides:
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigurationError(
+                f"{type(config).__name__} of preset {name!r} has no field {key!r}",
+                where=name, fix=f"{hint}its fields: {', '.join(fields)}")
     config = dataclasses.replace(config, **overrides)
     with torch.device(device) if device is not None else contextlib.nullcontext():
         return _FAMILIES[family](config)

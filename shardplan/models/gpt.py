@@ -7,6 +7,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ._checks import counts, divides, require
+
 
 @dataclass
 class GPTConfig:
@@ -22,8 +24,10 @@ class GPTConfig:
     mlp_ratio: int = 4
 
     def __post_init__(self):
-        if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+        counts(self, ("vocab_size", "block_size", "n_head", "n_embd", "mlp_ratio"), ("n_layer",))
+        divides(self, "n_embd", "n_head")
+        require(self, 0 <= self.dropout < 1, f"dropout={self.dropout} is not in [0, 1)",
+                "pass a dropout probability in [0, 1), e.g. 0.1")
 
 
 class CausalSelfAttention(nn.Module):

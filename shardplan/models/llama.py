@@ -8,6 +8,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ._checks import counts, divides, require
+
 
 @dataclass
 class LlamaConfig:
@@ -24,10 +26,18 @@ class LlamaConfig:
     def __post_init__(self):
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
-        if self.dim % self.n_heads:
-            raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_kv_heads={self.n_kv_heads} does not divide n_heads={self.n_heads}")
+        counts(self, ("vocab_size", "dim", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len"),
+               ("n_layers",))
+        divides(self, "dim", "n_heads")
+        divides(self, "n_heads", "n_kv_heads")
+        head_dim = self.dim // self.n_heads
+        require(self, head_dim % 2 == 0,
+                f"the head dim dim/n_heads = {self.dim}/{self.n_heads} = {head_dim} is odd",
+                "rotary embeddings rotate pairs of channels: pick dim and n_heads whose "
+                "quotient is even")
+        require(self, self.norm_eps > 0 and self.rope_theta > 0,
+                f"norm_eps={self.norm_eps} and rope_theta={self.rope_theta} must be > 0",
+                "pass positive values, e.g. norm_eps=1e-5, rope_theta=10000.0")
 
 
 class RMSNorm(nn.Module):
