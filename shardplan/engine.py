@@ -23,7 +23,7 @@ import torch.fx as fx
 
 from .capture import GUARDS, module_of, source_of
 from .errors import DivisibilityError, LayoutError
-from .layouts import Layout, Partial, Replicate, Shard
+from .layouts import Partial, Replicate, Shard
 from .ruleset import Einsum, RuleSet
 
 R = Replicate()

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given
 
 from shardplan.errors import DivisibilityError
 from shardplan.ranks import SimulatedRanks
@@ -19,7 +18,7 @@ from shardplan.runtime import (CommLedger, copy_to_region, f, g, gather_from_reg
                                gather_from_sequence, reduce_from_region,
                                reduce_scatter_to_sequence, scatter_to_region)
 
-from runtime_helpers import DIM, SEED, SETTINGS, TP, assert_mlp_matches, close, comm  # noqa: F401
+from runtime_helpers import DIM, SEED, SETTINGS, TP, close, comm  # noqa: F401
 
 
 def randn(gen, *shape):

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import shardplan
 from shardplan.capture import capture
-from shardplan.layouts import Replicate, Shard
+from shardplan.layouts import Shard
 from shardplan.ranks import SimulatedRanks
 from shardplan.models import build
 
