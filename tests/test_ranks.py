@@ -17,6 +17,7 @@ import shardplan
 from shardplan.errors import CommunicationError
 from shardplan.models import build
 from shardplan.ranks import RealRanks, SimulatedRanks
+from shardplan.runtime import copy_to_region
 from shardplan.runtime.ledger import CommLedger
 
 pytestmark = pytest.mark.timeout(120)
@@ -130,23 +131,10 @@ def _sleep_on_rank1(ctx, seconds):
     return ctx.rank
 
 
-class _SumGrads(torch.autograd.Function):
-    """Identity forward; all-reduce of the gradient in backward (Megatron's f)."""
-
-    @staticmethod
-    def forward(fctx, x, group):
-        fctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(fctx, g):
-        return fctx.group.all_reduce(g, direction="backward"), None
-
-
 def _backward(ctx):
     x = torch.ones(3, requires_grad=True)
     with CommLedger() as led:
-        y = _SumGrads.apply(x, ctx.group)
+        y = copy_to_region(x, ctx.group)  # Megatron's f: the gradient is all-reduced
         (y * (ctx.rank + 1)).sum().backward()
     return x.grad, [(r.kind, r.direction) for r in led.records]
 
