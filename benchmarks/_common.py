@@ -3,10 +3,12 @@ and a neutral collective counter."""
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import platform
 import statistics
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -54,6 +56,15 @@ def spread(values, fmt=lambda x: f"{x:.1f}") -> str:
     return f"{fmt(med(values))} ({fmt(min(values))}–{fmt(max(values))})"
 
 
+def parser(doc: str, quick: str) -> argparse.ArgumentParser:
+    """A benchmark's command line: described by its docstring's first paragraph, with
+    ``--quick`` (``quick`` says what it shrinks) and ``--no-write``."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help=f"{quick}; prints only")
+    ap.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
+    return ap
+
+
 def write_doc(heading: str, section: str, *, only_if_missing: bool = False) -> None:
     """Put ``section`` (which starts with ``heading``) in docs/benchmarks.md in place of
     the section under that heading, keeping every other section; append if absent."""
@@ -68,6 +79,7 @@ def write_doc(heading: str, section: str, *, only_if_missing: bool = False) -> N
         text = text[:start] + section.rstrip("\n") + "\n" + ("\n" + text[nxt + 1:] if nxt >= 0 else "")
     DOC.parent.mkdir(exist_ok=True)
     DOC.write_text(text.rstrip("\n") + "\n")
+    print(f"\nwritten to {DOC.relative_to(DOC.parent.parent)}", file=sys.stderr)
 
 
 # ----------------------------------------------------------------- counting collectives

@@ -20,7 +20,6 @@ and 3 of b·s (the loss: max, target logit, sum of exponentials); backward
 
 from __future__ import annotations
 
-import argparse
 import copy
 import os
 import sys
@@ -29,7 +28,7 @@ from collections import Counter
 
 import torch
 
-from ._common import comm_counter, section_head, tally, write_doc
+from ._common import comm_counter, parser, section_head, tally, write_doc
 from .megatron_manual import megatron_optimum
 
 HEADING = "## Communication per training step, tp=2"
@@ -159,10 +158,7 @@ def table(results: list) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true",
-                    help="small models and batch; prints, does not write the doc")
-    ap.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
+    ap = parser(__doc__, "small models and batch")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
     from shardplan.ranks import RealRanks
@@ -242,7 +238,6 @@ def main(argv=None) -> int:
         + ["Target: shardplan exactly the Megatron optimum, and fewer bytes than DTensor where "
            "DTensor sends more.", ""])
     write_doc(HEADING, section)
-    print("\nwritten to docs/benchmarks.md", file=sys.stderr)
     return 1 if problems else 0
 
 

@@ -22,7 +22,6 @@ doc's GPU section as it is (written as "not measured yet" if absent).
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import os
@@ -34,7 +33,7 @@ import torch
 
 from shardplan.runtime.comm import Group
 
-from ._common import measured_line, spread, write_doc
+from ._common import measured_line, parser, spread, write_doc
 
 HEADING = "## GPU: tp=1 overhead and the 8.3B layer's tp=8 shard"
 COMMAND = "python -m benchmarks.gpu"
@@ -197,13 +196,11 @@ def _section(body: str, measured: str | None) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__, "5 steps after 2 warm-up")
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (a check at tiny sizes)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--quick", action="store_true", help="5 steps after 2 warm-up; prints only")
-    ap.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
     device = torch.device(args.device)
@@ -232,7 +229,6 @@ def main(argv=None) -> int:
     measured = (measured_line(load_before, load_after) + f" GPU: {gpu}, CUDA {torch.version.cuda}, "
                 f"{args.dtype}; {steps} timed steps after {warmup} warm-up, median (min–max).")
     write_doc(HEADING, _section(body, measured))
-    print("\nwritten to docs/benchmarks.md", file=sys.stderr)
     return 0
 
 

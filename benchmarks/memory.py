@@ -19,7 +19,6 @@ parameter plus a 4-byte step per parameter tensor.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import os
@@ -28,7 +27,7 @@ import warnings
 
 import torch
 
-from ._common import section_head, write_doc
+from ._common import parser, section_head, write_doc
 
 HEADING = "## Memory per rank"
 COMMAND = "python -m benchmarks.memory"
@@ -141,10 +140,7 @@ def _mb(n: int) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true",
-                    help="small models, tp 2 and 4; prints, does not write the doc")
-    ap.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
+    ap = parser(__doc__, "small models, tp 2 and 4")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
     from shardplan.ranks import SimulatedRanks
@@ -220,7 +216,6 @@ def main(argv=None) -> int:
         text, "",
         verdict + " Target: per-rank memory within 1% of theory.", ""])
     write_doc(HEADING, section)
-    print("\nwritten to docs/benchmarks.md", file=sys.stderr)
     return 0
 
 

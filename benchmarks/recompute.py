@@ -30,7 +30,6 @@ thread while the workers idle. Ratios are per round.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import os
 import resource
@@ -42,7 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ._common import med, section_head, spread, write_doc
+from ._common import med, parser, section_head, spread, write_doc
 
 HEADING = "## Activation recomputation"
 COMMAND = "python -m benchmarks.recompute"
@@ -317,11 +316,8 @@ def loss_problems(runs: dict) -> list[str]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__, "h 128, sequence 64, batch 4, 1 and 2 layers, 3 rounds")
     ap.add_argument("--steps", type=int, help="timed rounds (default 8; --quick 3)")
-    ap.add_argument("--quick", action="store_true",
-                    help="h 128, sequence 64, batch 4, 1 and 2 layers, 3 rounds; prints only")
-    ap.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
     st = settings(args.quick)
@@ -412,7 +408,6 @@ def main(argv=None) -> int:
         "",
         text, ""])
     write_doc(HEADING, section)
-    print("\nwritten to docs/benchmarks.md", file=sys.stderr)
     return 1 if problems else 0
 
 

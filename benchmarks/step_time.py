@@ -33,7 +33,6 @@ against the unsharded one at every step (the same training run).
 
 from __future__ import annotations
 
-import argparse
 import copy
 import os
 import sys
@@ -46,7 +45,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from ._common import measured_line, med, spread, write_doc
+from ._common import measured_line, med, parser, spread, write_doc
 
 HEADING = "## Training-step time, tp=2 on gloo"
 COMMAND = "python -m benchmarks.step_time"
@@ -235,14 +234,11 @@ def summary(results: dict) -> list[str]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__, "n_embd 256, 5 steps after 2 warm-up")
     ap.add_argument("--sizes", type=int, nargs="+", help="n_embd values (default 256 512)")
     ap.add_argument("--steps", type=int, help="timed steps per size (default 10)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     ap.add_argument("--contenders", nargs="+", choices=TP_CONTENDERS, default=TP_CONTENDERS)
-    ap.add_argument("--quick", action="store_true",
-                    help="n_embd 256, 5 steps after 2 warm-up; prints, does not write the doc")
-    ap.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
     args = ap.parse_args(argv)
     if args.quick:
         sizes, steps, warmup = args.sizes or [256], args.steps or 5, min(args.warmup, 2)
@@ -316,7 +312,6 @@ def main(argv=None) -> int:
         text, "",
         "Targets: shardplan <= 1.05x the hand-written Megatron and <= 0.7x DTensor.", ""])
     write_doc(HEADING, section)
-    print("\nwritten to docs/benchmarks.md", file=sys.stderr)
     return 1 if diverged else 0
 
 
