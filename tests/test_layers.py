@@ -178,6 +178,22 @@ def check_vocab_embedding(ctx, full, ids, w):
     return y.detach(), layer.weight.detach(), layer.weight.grad, layer.padded_vocab, comm(led)
 
 
+def assert_vocab_embedding_matches(results, vocab, full, ids, w) -> None:
+    """Each rank's output, weight shard (padded vocabulary) and gradient against the
+    full embedding's; one forward all-reduce of the output."""
+    tp, d = len(results), full.weight.shape[1]
+    ref_y, _, ref_g = reference(full, ids, w)
+    padded = padded_vocab_size(vocab, tp)
+    padded_weight = torch.cat([full.weight.detach(), torch.zeros(padded - vocab, d)])
+    padded_grad = torch.cat([ref_g["weight"], torch.zeros(padded - vocab, d)])
+    for rank, (y, weight, grad, padded_vocab, records) in enumerate(results):
+        assert padded_vocab == padded and padded % tp == 0 and padded - vocab < tp
+        close(y, ref_y)
+        torch.testing.assert_close(weight, padded_weight.chunk(tp)[rank], atol=0, rtol=0)
+        close(grad, padded_grad.chunk(tp)[rank])
+        assert records == [("all_reduce", "forward", ids.numel() * d)]
+
+
 @SETTINGS
 @given(tp=TP, b=DIM, s=DIM, vocab=st.integers(1, 40), d=DIM, pad=st.booleans(), seed=SEED)
 def test_vocab_parallel_embedding_matches_embedding(tp, b, s, vocab, d, pad, seed):
@@ -186,17 +202,8 @@ def test_vocab_parallel_embedding_matches_embedding(tp, b, s, vocab, d, pad, see
     padding_idx = int(ids[0, 0]) if pad else None
     full = full_embedding(vocab, d, padding_idx, seed)
     w = torch.randn(b, s, d, generator=gen)
-    ref_y, _, ref_g = reference(full, ids, w)
-    padded = padded_vocab_size(vocab, tp)
-    padded_weight = torch.cat([full.weight.detach(), torch.zeros(padded - vocab, d)])
-    padded_grad = torch.cat([ref_g["weight"], torch.zeros(padded - vocab, d)])
-    results = SimulatedRanks(tp).run(check_vocab_embedding, full, ids, w)
-    for rank, (y, weight, grad, padded_vocab, records) in enumerate(results):
-        assert padded_vocab == padded and padded % tp == 0 and padded - vocab < tp
-        close(y, ref_y)
-        torch.testing.assert_close(weight, padded_weight.chunk(tp)[rank], atol=0, rtol=0)
-        close(grad, padded_grad.chunk(tp)[rank])
-        assert records == [("all_reduce", "forward", b * s * d)]
+    assert_vocab_embedding_matches(SimulatedRanks(tp).run(check_vocab_embedding, full, ids, w),
+                                   vocab, full, ids, w)
 
 
 def check_embedding_rejects(ctx, full, ids):

@@ -14,10 +14,10 @@ import pytest
 import torch
 from torch import nn
 
-from shardplan.runtime import model_parallel_seed, padded_vocab_size, set_rng_tracker
-from test_layers import (check_column_parallel, check_parallel_mlp, check_row_parallel,
-                         check_row_parallel_skip_g, check_vocab_embedding, full_embedding,
-                         full_linear, reference)
+from shardplan.runtime import model_parallel_seed, set_rng_tracker
+from test_layers import (assert_vocab_embedding_matches, check_column_parallel,
+                         check_parallel_mlp, check_row_parallel, check_row_parallel_skip_g,
+                         check_vocab_embedding, full_embedding, full_linear, reference)
 from runtime_helpers import assert_mlp_matches
 from test_loss import check_vocab_cross_entropy, expected_ledger, make_case
 from test_loss import reference as ce_reference
@@ -220,16 +220,7 @@ def test_vocab_parallel_embedding(real_ranks, tp):
     results = run_batch(real_ranks(tp), [(check_vocab_embedding, (full, ids, w))
                                          for _, full, ids, w in cases])
     for (vocab, full, ids, w), per_rank in zip(cases, results):
-        ref_y, _, ref_g = reference(full, ids, w)
-        padded = padded_vocab_size(vocab, tp)
-        padded_weight = torch.cat([full.weight.detach(), torch.zeros(padded - vocab, d)])
-        padded_grad = torch.cat([ref_g["weight"], torch.zeros(padded - vocab, d)])
-        for rank, (y, weight, grad, padded_vocab, records) in enumerate(per_rank):
-            assert padded_vocab == padded and padded % tp == 0 and padded - vocab < tp
-            close(y, ref_y)
-            torch.testing.assert_close(weight, padded_weight.chunk(tp)[rank], atol=0, rtol=0)
-            close(grad, padded_grad.chunk(tp)[rank])
-            assert records == [("all_reduce", "forward", B * S * d)]
+        assert_vocab_embedding_matches(per_rank, vocab, full, ids, w)
 
 
 # -- vocab_parallel_cross_entropy ------------------------------------------------------
