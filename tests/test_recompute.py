@@ -10,7 +10,7 @@ import torch
 import shardplan
 from shardplan import ConfigurationError
 from shardplan.models import build
-from shardplan.recompute import block_names
+from shardplan.recompute import Recomputed, block_names
 
 from recompute_cases import batch, dropout_gpt, step
 
@@ -116,9 +116,14 @@ def test_without_grad_blocks_run_once():
     (s,) = shardplan.ranks.SimulatedRanks(1).run(
         lambda ctx: shardplan.parallelize(model, group=ctx.group, example_inputs=(x, y),
                                           recompute=["transformer.h.*"]))
+    calls = []
+    for mod in s.graph_module.modules():
+        if isinstance(mod, Recomputed):
+            mod.block.register_forward_pre_hook(lambda m, a, name=mod.name: calls.append(name))
     with torch.no_grad():
         logits, loss = s(x, y)
         want_logits, want_loss = model(x, y)
+    assert calls == ["transformer.h.0"]  # called directly: no checkpoint, no recomputation
     torch.testing.assert_close(loss, want_loss)
 
 
