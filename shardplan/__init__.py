@@ -1,9 +1,9 @@
 """shardplan: Megatron-LM tensor parallelism for plain PyTorch models, planned from the graph."""
 
-from . import checkpoint  # noqa: F401  (shardplan.checkpoint.save_sharded, ...)
+from . import checkpoint # noqa: F401  (shardplan.checkpoint.save_sharded, ...)
 from .api import parallelize
-from .consistency import check_replicas
-from .plan import Plan, plan
+from .runtime.consistency import check_replicas
+from .planner.plan import Plan, plan
 from .verify import VerifyReport, verify
 from .errors import (CaptureError, CheckpointError, CommunicationError, ConfigurationError,
                      DivisibilityError, LayoutError, RuleError, ShardplanError)

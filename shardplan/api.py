@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .consistency import assert_same_across
-from .errors import CaptureError, ConfigurationError
-from .ruleset import load_rules
+from .runtime.consistency import assert_same_across
+from .errors import ConfigurationError
+from .planner.inputs import check_model_arg, example_args
+from .planner.rules import load_rules
 from .runtime.comm import Group, as_group
 from .sharded import ShardedModule
 
@@ -46,20 +47,6 @@ def parallelize(model: nn.Module, tp: int | None = None, *, group=None, mesh=Non
     return sharded
 
 
-def check_model_arg(model, tp=None) -> None:
-    """An unsharded ``nn.Module`` and, when given, a positive integer tp."""
-    if not isinstance(model, nn.Module):
-        raise ConfigurationError(f"expected a torch.nn.Module, got {type(model).__name__}",
-                                 fix="pass the model object (an nn.Module), not a function or class")
-    if isinstance(model, ShardedModule):
-        raise ConfigurationError("this model is already parallelized",
-                                 where=type(model).__name__,
-                                 fix="use the original, unsharded model once")
-    if tp is not None and (not isinstance(tp, int) or isinstance(tp, bool) or tp < 1):
-        raise ConfigurationError(f"tp must be a positive integer, got {tp!r}",
-                                 fix="pass the tensor-parallel size, e.g. tp=8")
-
-
 def _check_devices(model: nn.Module) -> None:
     devices = {}
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
@@ -77,28 +64,3 @@ def _group(group, mesh) -> Group:
         names = mesh.mesh_dim_names or ()
         group = mesh.get_group("tp") if "tp" in names else mesh.get_group()
     return as_group(group)
-
-
-def example_args(model: nn.Module, example_inputs) -> tuple[tuple, dict]:
-    """``(args, kwargs)`` to capture with: given, or token ids for a language model."""
-    if example_inputs is not None:
-        if isinstance(example_inputs, dict):
-            return (), example_inputs
-        if isinstance(example_inputs, torch.Tensor):
-            return (example_inputs,), {}
-        if isinstance(example_inputs, (tuple, list)):
-            return tuple(example_inputs), {}
-        raise CaptureError(
-            f"example_inputs for {type(model).__name__} is a {type(example_inputs).__name__}",
-            where=type(model).__name__,
-            fix="pass a tensor, a tuple/list of positional arguments or a dict of keyword "
-                "arguments, shaped as you call the model")
-    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
-    if not embeddings:
-        raise CaptureError(
-            f"cannot infer example inputs for {type(model).__name__}: it has no token embedding",
-            where=type(model).__name__,
-            fix="pass example_inputs=(tensor, ...) shaped as you call the model")
-    vocab = max(e.num_embeddings for e in embeddings)
-    device = next(model.parameters()).device
-    return (torch.randint(0, vocab, (2, 8), device=device),), {}

@@ -119,7 +119,7 @@ def _tp(text: str) -> int:
 
 
 def _cmd_plan(args) -> int:
-    from .plan import plan
+    from .planner.plan import plan
     p = plan(build_target(args.target, meta=True), args.tp, strict=args.strict)
     print(p.report())
     for path, text in ((args.json, p.to_json), (args.html, p.to_html)):
@@ -131,7 +131,7 @@ def _cmd_plan(args) -> int:
 
 
 def _cmd_diff(args) -> int:
-    from .plan import Plan
+    from .planner.plan import Plan
     plans = []
     for path in (args.a, args.b):
         try:
@@ -161,7 +161,7 @@ def _bench(rest: list[str]) -> int:
 
 
 def _cmd_demo(args) -> int:
-    from . import demo
+    from .train import demo
     return demo.run(demo.config_from_args(args))
 
 
@@ -198,7 +198,7 @@ def parser() -> argparse.ArgumentParser:
                                  "(arguments go to python -m benchmarks; bench --help lists them)")
 
 
-    from . import demo
+    from .train import demo
     m = sub.add_parser("demo", help="train the bundled GPT on text at tp=2 on gloo, check it "
                                     "matches unsharded, write a loss plot and summary")
     demo.add_arguments(m)

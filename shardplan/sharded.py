@@ -13,21 +13,23 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from .capture import PLANNING_LOCK, Captured, capture
-from .engine import Annotation, annotate
-from .inputs import check_dtypes
+from .planner.capture import PLANNING_LOCK, Captured, capture
+from .planner.annotate import Annotation, annotate
+from .planner.inputs import check_dtypes
 from .layouts import Replicate
-from .plan import build_plan
-from .recompute import block_names, outline_blocks
+from .planner.plan import build_plan
+from .planner.recompute import block_names, outline_blocks
 from .errors import CheckpointError, ConfigurationError
-from .rewrite import bind, rewrite
-from .ruleset import RuleSet
+from .planner.rewrite import bind, rewrite
+from .planner.rules import RuleSet
 from .runtime.comm import Group
-from .shards import local_tensors
+from .planner.shards import local_tensors
 
 
 class ShardedModule(nn.Module):
     """Holds this rank's shards; calls the rewritten graph for each call's signature."""
+
+    is_parallelized = True  # parallelize/plan/verify refuse it as input
 
     def __init__(self, source: nn.Module, group: Group, rules: RuleSet, *,
                  example: tuple[tuple, dict], gather_output: bool, strict: bool,

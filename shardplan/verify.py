@@ -18,12 +18,12 @@ from pydantic import BaseModel
 from torch.fx import _pytree as fx_pytree
 from torch.utils import _pytree as pytree
 
-from .capture import capture, module_of, source_of
-from .engine import op_name
-from .inputs import check_dtypes, check_token_ids
+from .planner.capture import capture, module_of, source_of
+from .planner.annotate import op_name
+from .planner.inputs import check_dtypes, check_model_arg, check_token_ids, example_args
 from .layouts import Partial, Shard
 from .ranks import SimulatedRanks
-from .ruleset import load_rules
+from .planner.rules import load_rules
 from .sharded import ShardedModule
 
 
@@ -70,7 +70,6 @@ def verify(model: nn.Module, tp: int, *, example_inputs=None, loss_fn=None,
     The comparison runs in eval mode (dropout draws differ between runs);
     ``train=True`` compares in training mode, for models without dropout.
     """
-    from .api import check_model_arg, example_args
     check_model_arg(model, tp)
     args, kwargs = example_args(model, example_inputs)
     ruleset = load_rules(rules)

@@ -7,7 +7,7 @@ import copy
 import torch
 
 import shardplan
-from shardplan.ruleset import load_rules
+from shardplan.planner.rules import load_rules
 from shardplan.runtime.ledger import CommLedger
 from shardplan.sharded import ShardedModule
 

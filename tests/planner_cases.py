@@ -8,7 +8,7 @@ import torch
 
 import shardplan
 from shardplan.models import GPT, GPTConfig, Llama, LlamaConfig
-from shardplan.ruleset import load_rules
+from shardplan.planner.rules import load_rules
 from shardplan.runtime.ledger import CommLedger
 from shardplan.sharded import ShardedModule
 

@@ -8,7 +8,7 @@ import torch
 
 import shardplan
 from shardplan.models import build
-from shardplan.recompute import Recomputed
+from shardplan.planner.recompute import Recomputed
 from shardplan.runtime.random import manual_seed, set_rng_tracker
 
 SEED = 1234

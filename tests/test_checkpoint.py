@@ -24,10 +24,10 @@ import torch
 from planner_cases import batch
 from shardplan import CheckpointError, Shard
 from shardplan import checkpoint as ck
-from shardplan.capture import capture
+from shardplan.planner.capture import capture
 from shardplan.models import build
 from shardplan.ranks import SimulatedRanks
-from shardplan.ruleset import load_rules
+from shardplan.planner.rules import load_rules
 from shardplan.sharded import ShardedModule
 
 pytestmark = pytest.mark.timeout(60)

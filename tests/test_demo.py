@@ -13,7 +13,7 @@ import zlib
 import pytest
 
 import shardplan
-from shardplan import demo
+from shardplan.train import demo
 
 
 def read_png(path: str) -> tuple[int, int, bytes]:

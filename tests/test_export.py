@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import shardplan
-from shardplan.export import export_issues, parallelize_with_dtensor, to_dtensor_plan, to_hf_tp_plan
+from shardplan.report.export import export_issues, parallelize_with_dtensor, to_dtensor_plan, to_hf_tp_plan
 from shardplan.models import build
 
 VOCAB = 97  # not divisible by 2: shardplan pads, DTensor shards unevenly

@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("transformers", reason="the [hf] extra is not installed")
 
-from shardplan.capture import capture  # noqa: E402
+from shardplan.planner.capture import capture  # noqa: E402
 from shardplan.layouts import Shard  # noqa: E402
 from shardplan.ranks import SimulatedRanks  # noqa: E402
 

@@ -11,7 +11,7 @@ import tempfile
 import pytest
 
 import shardplan
-from shardplan.html_report import parse_layout, render_html
+from shardplan.report.html import parse_layout, render_html
 from shardplan.models import build
 
 CHROMIUM = "/usr/bin/chromium"

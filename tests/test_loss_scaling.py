@@ -1,4 +1,4 @@
-"""fp16 with dynamic loss scaling (shardplan.optim.TPGradScaler, shardplan.train --fp16).
+"""fp16 with dynamic loss scaling (shardplan.train.optim.TPGradScaler, shardplan.train --fp16).
 
 The scaler's overflow check must agree across ranks: an inf in one rank's gradient
 shard makes every rank skip the step. Checked on 2 real gloo ranks, with plain
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from shardplan.errors import ConfigurationError
-from shardplan.optim import TPGradScaler
-from shardplan.train import parse_args
+from shardplan.train.optim import TPGradScaler
+from shardplan.train.trainer import parse_args
 from train_cases import (BASE, OVERFLOW_MODES, fp16_resume_rank, overflow_rank,
                          reference_losses, rel_close, trainer_rank)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import shardplan
-from shardplan.plan_diff import compare_plans, diff_plans
+from shardplan.report.diff import compare_plans, diff_plans
 from shardplan.models import build
 
 

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shardplan
-from shardplan.capture import capture
+from shardplan.planner.capture import capture
 from shardplan.layouts import Shard
 from shardplan.ranks import SimulatedRanks
 from shardplan.models import build

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import shardplan
-from shardplan.capture import capture
+from shardplan.planner.capture import capture
 from shardplan.models import build
 from shardplan.ranks import SimulatedRanks
 

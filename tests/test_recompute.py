@@ -10,7 +10,7 @@ import torch
 import shardplan
 from shardplan import ConfigurationError
 from shardplan.models import build
-from shardplan.recompute import Recomputed, block_names
+from shardplan.planner.recompute import Recomputed, block_names
 
 from recompute_cases import batch, dropout_gpt, step
 

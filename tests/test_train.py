@@ -1,4 +1,4 @@
-"""The training recipe (shardplan.optim) and entry point (shardplan.train).
+"""The training recipe (shardplan.train.optim) and entry point (shardplan.train).
 
 Clipping and the schedule are checked against torch and hand computations on
 simulated ranks (threads). The training runs use 4 real gloo processes as a
@@ -18,13 +18,13 @@ import pytest
 import torch
 
 import shardplan
-from shardplan.capture import capture
+from shardplan.planner.capture import capture
 from shardplan.errors import ConfigurationError
 from shardplan.models import build
-from shardplan.optim import (build_optimizer, clip_grad_norm_, cosine_scheduler, grad_norm,
+from shardplan.train.optim import (build_optimizer, clip_grad_norm_, cosine_scheduler, grad_norm,
                              lr_schedule)
 from shardplan.ranks import SimulatedRanks
-from shardplan.train import TokenData, TrainConfig, parse_args, resolve_checkpoint
+from shardplan.train.trainer import TokenData, TrainConfig, parse_args, resolve_checkpoint
 from train_cases import (BASE, clip_dp_rank, clip_rank, reference_losses, rel_close,
                          resume_rank, torch_clip, train_rank, trainer_rank)
 

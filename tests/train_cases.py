@@ -9,11 +9,11 @@ import torch
 
 import shardplan
 from shardplan.models import build
-from shardplan.optim import TPGradScaler, build_optimizer, clip_grad_norm_, lr_schedule
-from shardplan.ruleset import load_rules
+from shardplan.train.optim import TPGradScaler, build_optimizer, clip_grad_norm_, lr_schedule
+from shardplan.planner.rules import load_rules
 from shardplan.runtime.random import set_rng_tracker
 from shardplan.sharded import ShardedModule
-from shardplan.train import TokenData, Trainer, TrainConfig, build_model, train
+from shardplan.train.trainer import TokenData, Trainer, TrainConfig, build_model, train
 
 
 # One small run: dp 2 x tp 2, 2 sequences of 16 bytes per replica and step, dropout 0.

@@ -51,9 +51,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .errors import CheckpointError
-from .layouts import Partial, Replicate, Shard
-from .shards import local_shape
+from ..errors import CheckpointError
+from ..layouts import Partial, Replicate, Shard
+from ..planner.shards import local_shape
 
 __all__ = ["save_sharded", "load_sharded", "reshard", "gather_full_state_dict", "save_full",
            "load_full_state_dict", "rank_file", "FORMAT", "VERSION"]

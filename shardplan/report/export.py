@@ -52,8 +52,8 @@ import re
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from .errors import LayoutError
-from .html_report import parse_layout
+from ..errors import LayoutError
+from .html import parse_layout
 
 __all__ = ["to_dtensor_plan", "to_hf_tp_plan", "export_issues", "ExportIssue",
            "parallelize_with_dtensor"]

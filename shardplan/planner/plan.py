@@ -19,14 +19,14 @@ import torch.nn as nn
 from pydantic import BaseModel, Field
 
 from .capture import Captured, capture, module_of, source_of
-from .engine import Annotation, annotate, hint, shape
-from .errors import CommunicationError
-from .inputs import check_dtypes
-from .layouts import Partial, Replicate, Shard
+from .annotate import Annotation, annotate, hint, shape
+from ..errors import CommunicationError
+from .inputs import check_dtypes, check_model_arg, example_args
+from ..layouts import Partial, Replicate, Shard
 from .rewrite import rewrite
-from .ruleset import RuleSet, load_rules
-from .runtime.comm import Group
-from .runtime.graph_ops import (CopyToRegion, GatherShard, ReduceFromRegion, SumOverReplicas,
+from .rules import RuleSet, load_rules
+from ..runtime.comm import Group
+from ..runtime.graph_ops import (CopyToRegion, GatherShard, ReduceFromRegion, SumOverReplicas,
                                 VocabCrossEntropy)
 from .shards import local_shape
 
@@ -98,27 +98,27 @@ class Plan(BaseModel):
         raise KeyError(name)
 
     def report(self, width: int = 100) -> str:
-        from .report import render_text
+        from ..report.text import render_text
         return render_text(self, width)
 
     def to_html(self) -> str:
         """The plan as one self-contained HTML page (docs/report.md)."""
-        from .html_report import render_html
+        from ..report.html import render_html
         return render_html(self)
 
     def diff(self, other: Plan) -> str:
         """What changed from this plan to ``other`` (``plan_diff.compare_plans`` for data)."""
-        from .plan_diff import diff_plans
+        from ..report.diff import diff_plans
         return diff_plans(self, other)
 
     def to_dtensor_plan(self, **kw) -> dict:
         """``{module FQN: ParallelStyle}`` for ``torch.distributed.tensor.parallel.parallelize_module``."""
-        from .export import to_dtensor_plan
+        from ..report.export import to_dtensor_plan
         return to_dtensor_plan(self, **kw)
 
     def to_hf_tp_plan(self, **kw) -> dict[str, str]:
         """The Hugging Face ``base_model_tp_plan`` strings for this plan."""
-        from .export import to_hf_tp_plan
+        from ..report.export import to_hf_tp_plan
         return to_hf_tp_plan(self, **kw)
 
     def to_json(self, **kw) -> str:
@@ -149,7 +149,6 @@ def plan(model: nn.Module, tp: int, *, example_inputs=None, rules="megatron",
     Lists of identical blocks are captured and planned once (two blocks), and
     their decisions stamped onto the rest.
     """
-    from .api import check_model_arg, example_args
     check_model_arg(model, tp)
     ruleset = load_rules(rules)
     args, kwargs = example_args(model, example_inputs)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .layouts import Replicate, Shard
+from ..layouts import Replicate, Shard
 
 
 def local_tensors(model: nn.Module, layouts: dict, aliases: dict[str, str],

@@ -20,7 +20,7 @@ the step and ``batch_size * dp``: a single process with ``--batch-size
 B*dp`` sees exactly the concatenation of the replicas' batches, and a resumed
 run reads exactly what the uninterrupted one would have.
 
-**Optimizer.** ``shardplan.optim``: AdamW (betas 0.9/0.95, no decay on 1-D
+**Optimizer.** ``shardplan.train.optim``: AdamW (betas 0.9/0.95, no decay on 1-D
 parameters), linear warm-up then cosine decay to ``--min-lr``, global-norm
 clipping that is correct under TP. ``--bf16``: ``torch.autocast`` to bfloat16
 (weights and optimizer state stay float32). ``--fp16``: autocast to float16
@@ -66,14 +66,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import checkpoint
-from .api import parallelize
-from .consistency import assert_same_across, check_replicas
-from .errors import CommunicationError, ConfigurationError
+from .. import checkpoint
+from ..api import parallelize
+from ..runtime.consistency import assert_same_across, check_replicas
+from ..errors import CommunicationError, ConfigurationError
 from .optim import (TPGradScaler, average_gradients, build_optimizer, clip_grad_norm_,
                     lr_schedule)
-from .runtime.comm import TorchGroup
-from .runtime.random import MODEL_PARALLEL, REPLICATED, manual_seed
+from ..runtime.comm import TorchGroup
+from ..runtime.random import MODEL_PARALLEL, REPLICATED, manual_seed
 
 __all__ = ["TrainConfig", "Trainer", "TokenData", "build_model", "train", "main",
            "parse_args", "VOCAB"]
@@ -222,7 +222,7 @@ def build_model(config: TrainConfig) -> nn.Module:
     ``seq_len`` and ``config.dropout`` if given; ``package.module:factory``
     is called without arguments and must take ``(idx, targets)``.
     """
-    from .models import PRESETS, build
+    from ..models import PRESETS, build
     if config.model in PRESETS:
         _, preset = PRESETS[config.model]
         fields = {f.name for f in dataclasses.fields(preset)}
@@ -653,6 +653,3 @@ def main(argv: list[str] | None = None) -> int:
     losses = train(config)
     return 0 if all(math.isfinite(x) for x in losses) else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -45,8 +45,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from .errors import ConfigurationError
-from .layouts import Shard
+from ..errors import ConfigurationError
+from ..layouts import Shard
 
 __all__ = ["build_optimizer", "param_groups", "lr_schedule", "cosine_scheduler",
            "clip_grad_norm_", "average_gradients", "grad_norm", "TPGradScaler"]
@@ -179,7 +179,7 @@ def average_gradients(params: Iterable[torch.Tensor], dp_group) -> None:
 
 
 def _size(group) -> int:
-    from .runtime.comm import Group
+    from ..runtime.comm import Group
     if isinstance(group, Group):
         return group.size
     return dist.get_world_size(group)
@@ -189,7 +189,7 @@ _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
 def _all_reduce(t: torch.Tensor, group, op: str, site: str, direction: str = "none"):
-    from .runtime.comm import Group
+    from ..runtime.comm import Group
     if isinstance(group, Group):
         return group.all_reduce(t, op, direction=direction, site=site)
     dist.all_reduce(t, op=_OPS[op], group=group)

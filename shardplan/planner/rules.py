@@ -1,6 +1,6 @@
 """Rule sets: the Megatron strategy and per-op layout rules, loaded as data.
 
-A rule set is a TOML file (see ``rules/megatron.toml``), parsed and
+A rule set is a TOML file (see ``shardplan/rules/megatron.toml``), parsed and
 validated; nothing in it is executed. ``load_rules("megatron")`` loads a
 bundled set, ``load_rules(path)`` a user's. Beyond its schema, a rule set must
 be of a version this shardplan reads, name only ATen ops this torch has, list
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from .errors import RuleError
+from ..errors import RuleError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -134,11 +134,8 @@ class RuleSet(_Strict):
 
 
 def _bundled_dir():
-    """rules/ as installed into the package, or beside it in a source checkout."""
-    try:
-        return importlib.resources.files("shardplan.rules")
-    except ModuleNotFoundError:
-        return Path(__file__).resolve().parent.parent / "rules"
+    """The bundled rule files (package data of ``shardplan.rules``)."""
+    return importlib.resources.files("shardplan.rules")
 
 
 def load_rules(rules: str | Path | RuleSet = "megatron") -> RuleSet:
@@ -176,7 +173,7 @@ def _load(rules: str) -> RuleSet:
         ruleset = RuleSet.model_validate(data)
     except ValidationError as e:
         raise RuleError(f"rule file is not a valid rule set:\n{e}", where=where,
-                        fix="compare with the bundled rules/megatron.toml") from e
+                        fix="compare with the bundled shardplan/rules/megatron.toml") from e
     _check(ruleset, where)
     return ruleset
 
@@ -186,7 +183,7 @@ def _check_version(version, where: str) -> None:
         raise RuleError(f"rule file of version {version}; this shardplan reads version "
                         f"{' or '.join(map(str, VERSIONS))}", where=where,
                         fix="write the rules for a supported version (compare with the bundled "
-                            "rules/megatron.toml), or use the shardplan release they were "
+                            "shardplan/rules/megatron.toml), or use the shardplan release they were "
                             "written for")
 
 
@@ -225,7 +222,7 @@ def _check(rules: RuleSet, where: str) -> None:
             raise RuleError(f"opener {o.op} (strategy.open) has no einsum signature",
                             where=where,
                             fix=f'add "{o.op}" = {{ sig = "..." }} under [einsum] (see '
-                                "rules/megatron.toml), or remove it from strategy.open")
+                                "shardplan/rules/megatron.toml), or remove it from strategy.open")
         if not 0 <= o.weight < len(es.operands):
             raise RuleError(f"opener {o.op}: weight = {o.weight}, but its einsum signature "
                             f"{es.sig!r} has {len(es.operands)} operands", where=where,

@@ -18,7 +18,7 @@ import re
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
-from .report import human
+from .text import human
 
 __all__ = ["compare_plans", "diff_plans", "PlanDiff", "ParamChange", "CollectiveChange",
            "RoleChange"]

@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.export import Dim
 
-from .errors import CaptureError
+from ..errors import CaptureError
 
 GUARDS = "_guards_fn"
 # torch.export and the fake tensors it leaves in node.meta keep state that is not

@@ -6,13 +6,13 @@
 1. plans the bundled GPT (byte tokens, sized for text) and prints the memory
    and communication summary of the layout report;
 2. starts ``tp * dp`` gloo worker processes (``RealRanks``), each running a
-   ``shardplan.train.Trainer`` (the training entry point: the tp x dp mesh,
+   ``shardplan.train.trainer.Trainer`` (the training entry point: the tp x dp mesh,
    AdamW with weight decay 0.01, warm-up then cosine, global-norm clipping at
    1.0 that counts replicated gradients once, gradients averaged over the dp
    replicas) on the public-domain corpus bundled in ``shardplan.data``, one
    step at a time behind a progress line;
 3. trains the unsharded model on the same batches in this process (the same
-   optimizer, schedule and clipping from ``shardplan.optim``) and compares
+   optimizer, schedule and clipping from ``shardplan.train.optim``) and compares
    the two loss curves step by step;
 4. writes ``loss.png``, ``plan.json``, ``summary.md`` and ``summary.json``
    into the output folder.
@@ -83,20 +83,20 @@ class DemoConfig:
 
 
 def gpt_tiny():
-    """The demo's tiny GPT (for ``TrainConfig.model``: ``shardplan.demo:gpt_tiny``)."""
-    from .models import build
+    """The demo's tiny GPT (for ``TrainConfig.model``: ``shardplan.train.demo:gpt_tiny``)."""
+    from ..models import build
     return build("gpt-tiny", **SIZES["tiny"])
 
 
 def gpt_small():
-    """The demo's small GPT (``shardplan.demo:gpt_small``)."""
-    from .models import build
+    """The demo's small GPT (``shardplan.train.demo:gpt_small``)."""
+    from ..models import build
     return build("gpt-tiny", **SIZES["small"])
 
 
 def train_config(cfg: DemoConfig, data: str):
-    """The ``shardplan.train.TrainConfig`` of every rank."""
-    from .train import TrainConfig
+    """The ``shardplan.train.trainer.TrainConfig`` of every rank."""
+    from .trainer import TrainConfig
     return TrainConfig(model=f"{__name__}:gpt_{cfg.size}", tp=cfg.tp, dp=cfg.dp,
                        steps=cfg.steps, batch_size=cfg.batch // cfg.dp, seq_len=cfg.block,
                        lr=cfg.lr, warmup=cfg.warmup, clip=cfg.clip,
@@ -118,7 +118,7 @@ _RANK: dict = {}  # this worker's Trainer, between runs
 
 
 def _rank_setup(ctx, tc) -> int:
-    from .train import Trainer
+    from .trainer import Trainer
     _RANK.clear()
     _RANK["trainer"] = Trainer(tc)
     return sum(p.numel() for p in _RANK["trainer"].sharded.parameters())
@@ -192,7 +192,7 @@ def _train_unsharded(cfg: DemoConfig, tc, model, times: dict) -> list[tuple[floa
     on a busy machine can be many times slower than one): what ``Trainer.train_step``
     does, without parallelism."""
     from .optim import build_optimizer, clip_grad_norm_, lr_schedule
-    from .train import TokenData
+    from .trainer import TokenData
     data = TokenData(tc.data, seq_len=tc.seq_len, batch_size=cfg.batch, dp=1, seed=tc.seed)
     opt = build_optimizer(model, tc.lr, weight_decay=tc.weight_decay)
     bar = Progress(cfg.steps, "unsharded")
@@ -237,7 +237,7 @@ def _plan_summary(plan) -> str:
 
 
 def check(cfg: DemoConfig) -> None:
-    from .errors import ConfigurationError
+    from ..errors import ConfigurationError
     if cfg.size not in SIZES:
         raise ConfigurationError(f"unknown size {cfg.size!r}", fix=f"use one of {', '.join(SIZES)}")
     if cfg.tp < 1 or cfg.dp < 1 or cfg.steps < 1 or cfg.batch < 1:
@@ -260,8 +260,8 @@ def run(cfg: DemoConfig) -> int:
 
 def _run(cfg: DemoConfig, data: str) -> int:
     import shardplan
-    from .ranks import RealRanks
-    from .train import TokenData, build_model
+    from ..ranks import RealRanks
+    from .trainer import TokenData, build_model
     check(cfg)
     t_start = time.perf_counter()
     os.makedirs(cfg.out, exist_ok=True)
@@ -349,7 +349,7 @@ def _tolerance_text() -> str:
 
 
 def _markdown(s: dict) -> str:
-    from .report import human
+    from ..report.text import human
     c, p, m = s["config"], s["plan"], s["model"]
     a, b = s["losses"]["sharded"], s["losses"]["unsharded"]
     rows = sorted({0, len(a) // 4, len(a) // 2, 3 * len(a) // 4, len(a) - 1})
@@ -628,11 +628,11 @@ def config_from_args(args) -> DemoConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m shardplan.demo ...`` = ``shardplan demo ...`` (same options and errors)."""
-    from .cli import main as cli_main
+    """``python -m shardplan.train.demo ...`` = ``shardplan demo ...`` (same options and errors)."""
+    from ..cli import main as cli_main
     return cli_main(["demo", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
-    from shardplan.demo import main as _main  # workers unpickle shardplan.demo, not __main__
+    from shardplan.train.demo import main as _main  # workers unpickle shardplan.train.demo, not __main__
     sys.exit(_main())

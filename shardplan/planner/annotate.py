@@ -22,9 +22,9 @@ import torch
 import torch.fx as fx
 
 from .capture import GUARDS, module_of, source_of
-from .errors import DivisibilityError, LayoutError
-from .layouts import Partial, Replicate, Shard
-from .ruleset import Einsum, RuleSet
+from ..errors import DivisibilityError, LayoutError
+from ..layouts import Partial, Replicate, Shard
+from .rules import Einsum, RuleSet
 
 R = Replicate()
 

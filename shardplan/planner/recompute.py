@@ -26,9 +26,9 @@ from torch.fx.passes.split_module import split_module
 from torch.utils.checkpoint import checkpoint
 
 from .capture import module_of
-from .errors import ConfigurationError
-from .runtime.comm import Group
-from .runtime.random import tracker_for
+from ..errors import ConfigurationError
+from ..runtime.comm import Group
+from ..runtime.random import tracker_for
 
 PREFIX = "recompute_"
 

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+import torch.nn as nn
 from torch.fx import _pytree as fx_pytree
 
 from .capture import module_of, source_of
-from .errors import ConfigurationError
-from .runtime.layers import check_ids
+from ..errors import CaptureError, ConfigurationError
+from ..runtime.layers import check_ids
 
 aten = torch.ops.aten
 
@@ -118,3 +119,42 @@ def _dtype_fix(gm: fx.GraphModule, operands) -> str:
         return "cast the operands to one dtype"
     return (f"cast the inputs to the model's dtype (x.to({next(iter(params))})), or the model "
             f"to the inputs' (model.to({theirs}))")
+
+
+def check_model_arg(model, tp=None) -> None:
+    """An unsharded ``nn.Module`` and, when given, a positive integer tp."""
+    if not isinstance(model, nn.Module):
+        raise ConfigurationError(f"expected a torch.nn.Module, got {type(model).__name__}",
+                                 fix="pass the model object (an nn.Module), not a function or class")
+    if getattr(model, "is_parallelized", False):
+        raise ConfigurationError("this model is already parallelized",
+                                 where=type(model).__name__,
+                                 fix="use the original, unsharded model once")
+    if tp is not None and (not isinstance(tp, int) or isinstance(tp, bool) or tp < 1):
+        raise ConfigurationError(f"tp must be a positive integer, got {tp!r}",
+                                 fix="pass the tensor-parallel size, e.g. tp=8")
+
+
+def example_args(model: nn.Module, example_inputs) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` to capture with: given, or token ids for a language model."""
+    if example_inputs is not None:
+        if isinstance(example_inputs, dict):
+            return (), example_inputs
+        if isinstance(example_inputs, torch.Tensor):
+            return (example_inputs,), {}
+        if isinstance(example_inputs, (tuple, list)):
+            return tuple(example_inputs), {}
+        raise CaptureError(
+            f"example_inputs for {type(model).__name__} is a {type(example_inputs).__name__}",
+            where=type(model).__name__,
+            fix="pass a tensor, a tuple/list of positional arguments or a dict of keyword "
+                "arguments, shaped as you call the model")
+    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    if not embeddings:
+        raise CaptureError(
+            f"cannot infer example inputs for {type(model).__name__}: it has no token embedding",
+            where=type(model).__name__,
+            fix="pass example_inputs=(tensor, ...) shaped as you call the model")
+    vocab = max(e.num_embeddings for e in embeddings)
+    device = next(model.parameters()).device
+    return (torch.randint(0, vocab, (2, 8), device=device),), {}

@@ -30,7 +30,7 @@ import re
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
-from .report import human
+from .text import human
 
 __all__ = ["render_html", "parse_layout", "ParsedLayout", "CATEGORIES"]
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .errors import CommunicationError
-from .runtime.comm import Group
+from ..errors import CommunicationError
+from .comm import Group
 
 
 def fingerprints(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -50,7 +50,7 @@ def check_replicas(sharded) -> None:
     Replicas drift apart silently when a gradient is not all-reduced where it
     should be; call this every N steps (the training entry point does).
     """
-    from .layouts import Replicate
+    from ..layouts import Replicate
     named = {n: p for n, p in sharded.named_parameters()
              if isinstance(sharded.layouts.get(n), Replicate)}
     assert_same_across(sharded.group, named, what="replicated parameters drifted",

@@ -16,10 +16,10 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .capture import module_of
-from .engine import Annotation, _any_sharded, _slice_range, hint, op_name, operands, shape
-from .layouts import Partial, Replicate, Shard
-from .runtime.comm import Group
-from .runtime.graph_ops import (CopyToRegion, GatherShard, LocalShard, ModelParallelRNG,
+from .annotate import Annotation, _any_sharded, _slice_range, hint, op_name, operands, shape
+from ..layouts import Partial, Replicate, Shard
+from ..runtime.comm import Group
+from ..runtime.graph_ops import (CopyToRegion, GatherShard, LocalShard, ModelParallelRNG,
                                 ReduceFromRegion, SumOverReplicas, VocabCrossEntropy, VocabLookup)
 
 aten = torch.ops.aten

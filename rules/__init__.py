@@ -1,1 +1,0 @@
-"""Bundled rule sets: data files read with importlib.resources (rules/ = shardplan.rules)."""

@@ -1,0 +1,1 @@
+"""The planner: capture -> annotate -> plan -> rewrite, one module a stage."""
