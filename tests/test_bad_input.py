@@ -29,7 +29,7 @@ from shardplan.ranks import RealRanks, SimulatedRanks
 
 from planner_models import DataDependent, NoTokens, TinyLM
 
-RULES = Path(__file__).resolve().parent.parent / "rules" / "megatron.toml"
+RULES = Path(__file__).resolve().parent.parent / "shardplan" / "rules" / "megatron.toml"
 IDS = torch.zeros(2, 4, dtype=torch.long)
 
 
