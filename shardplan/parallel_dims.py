@@ -6,7 +6,7 @@ as torchtitan does, data-parallel outside and tensor-parallel inside, so the
 ranks of one TP group are neighbours (rank = dp_rank * tp + tp_rank)::
 
     dims = ParallelDims.for_world(world, tp=2).with_mesh("cpu")   # ("dp", "tp") mesh
-    sharded = shardplan.parallelize(model, dims=dims)
+    sharded = shardplan.parallelize(model, mesh=dims.mesh)
     average_gradients(sharded.parameters(), dims.dp_group)
 
 or from a mesh the caller built (its dim names must include "tp"; a "dp"
