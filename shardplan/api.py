@@ -9,6 +9,7 @@ from .runtime.consistency import assert_same_across
 from .errors import ConfigurationError
 from .planner.inputs import check_model_arg, example_args
 from .planner.rules import load_rules
+from .parallel_dims import ParallelDims
 from .runtime.comm import Group, as_group
 from .sharded import ShardedModule
 
@@ -22,7 +23,8 @@ def parallelize(model: nn.Module, tp: int | None = None, *, group=None, mesh=Non
     Returns a module with the same call signature holding only this rank's
     shards; ``.plan`` says what was decided. ``group`` is a
     ``torch.distributed`` process group (default: the world) or a shardplan
-    ``Group``; with ``mesh`` (a ``DeviceMesh``), its "tp" dimension.
+    ``Group``; with ``mesh`` (a ``DeviceMesh`` with a "tp" dimension, e.g.
+    ``ParallelDims(tp=2, dp=2).with_mesh("cpu").mesh``), its "tp" dimension.
     ``check_model`` first compares a checksum of every parameter across the
     ranks (one small broadcast and all-reduce): shards of different models
     would train silently wrong. ``recompute`` recomputes activations in
@@ -61,6 +63,8 @@ def _check_devices(model: nn.Module) -> None:
 
 def _group(group, mesh) -> Group:
     if mesh is not None:
-        names = mesh.mesh_dim_names or ()
-        group = mesh.get_group("tp") if "tp" in names else mesh.get_group()
+        if group is not None:
+            raise ConfigurationError("both group and mesh were given",
+                                     fix="pass one: the mesh's 'tp' dimension is the group")
+        return ParallelDims.from_mesh(mesh).tp_group
     return as_group(group)

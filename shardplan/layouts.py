@@ -1,6 +1,7 @@
-"""Layouts: how one tensor is held across the ranks of a tensor-parallel group.
+"""Layouts: how one tensor is held across the ranks of a device mesh.
 
-Small immutable values, in the spirit of DTensor's placements:
+A *placement* says how a tensor is held along one mesh dimension; small
+immutable values, in the spirit of DTensor's placements:
 
 - ``Replicate()``: every rank holds the whole tensor;
 - ``Shard(dim, blocks, padded)``: rank r holds the r-th slice along ``dim``;
@@ -13,33 +14,134 @@ concatenated. ``padded`` is the size ``dim`` is padded to before splitting
 (a vocabulary not divisible by tp); padding rows are zero. ``replicas`` > 1
 splits ``dim`` into tp/replicas parts, each held by ``replicas`` consecutive
 ranks (K/V heads fewer than tp: the ranks that share a head hold it).
+
+A ``MeshLayout`` is a placement per named mesh dimension, outer to inner
+(``dp=R,tp=S(0)``), as a DTensor's placement list is. A tensor of a sharded
+module carries its ``ParallelSpec`` (mesh layout and full shape) as one
+attribute, set when its shard is made (``spec_of``, ``set_spec``).
+
+The text forms are the one codec of layouts: ``str()`` writes them
+(``R``, ``P``, ``S(0|32+32+32|pad128|x2)``, ``dp=R,tp=S(0)``) and
+``Placement.parse`` / ``MeshLayout.parse`` read them back, raising
+``LayoutError`` for malformed text; ``to_json`` / ``from_json`` are the
+checkpoint index's form of a placement.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
+from .errors import LayoutError
+
+
+class Placement:
+    """How a tensor is held along one mesh dimension (``Replicate``, ``Shard`` or ``Partial``)."""
+
+    __slots__ = ()
+
+    @staticmethod
+    def parse(text: str) -> Placement:
+        """The placement whose ``str()`` is ``text``; ``LayoutError`` if there is none."""
+        if not isinstance(text, str):
+            raise LayoutError(f"a layout is text, got {type(text).__name__}",
+                              fix='pass a string such as "R", "P" or "S(0)"')
+        text = text.strip()
+        if text == "R":
+            return Replicate()
+        if text == "P":
+            return Partial()
+        return Shard._parse(text)
+
+    def to_json(self) -> dict:
+        return {"type": type(self).__name__.lower()}
+
+    @staticmethod
+    def from_json(d) -> Placement:
+        """Inverse of ``to_json``; ``LayoutError`` for anything else."""
+        kind = d.get("type") if isinstance(d, Mapping) else None
+        try:
+            if kind == "replicate":
+                return Replicate()
+            if kind == "partial":
+                return Partial()
+            if kind == "shard":
+                blocks = tuple(d["blocks"]) if d.get("blocks") else None
+                return Shard(int(d["dim"]), blocks, d.get("padded"), int(d.get("replicas", 1)))
+        except (KeyError, TypeError, ValueError):
+            pass
+        raise LayoutError(f"not a layout: {d!r}",
+                          fix="it was written by another shardplan version or edited by hand")
+
 
 @dataclass(frozen=True)
-class Replicate:
+class Replicate(Placement):
     def __str__(self) -> str:
         return "R"
 
 
 @dataclass(frozen=True)
-class Partial:
+class Partial(Placement):
     def __str__(self) -> str:
         return "P"
 
 
+_SHARD = re.compile(r"S\((-?\d+)((?:\|[^|()]*)*)\)")
+
+
 @dataclass(frozen=True)
-class Shard:
+class Shard(Placement):
     dim: int
     blocks: tuple[int, ...] | None = None
     padded: int | None = None
     replicas: int = 1
+
+    def __post_init__(self):
+        if self.blocks is not None:
+            object.__setattr__(self, "blocks", tuple(self.blocks))
+        bad = [f for f, ok in (("dim", _is_int(self.dim)),
+                               ("blocks", self.blocks is None or (
+                                   len(self.blocks) > 0 and all(_is_int(b) and b > 0
+                                                                for b in self.blocks))),
+                               ("padded", self.padded is None or (_is_int(self.padded)
+                                                                  and self.padded > 0)),
+                               ("replicas", _is_int(self.replicas) and self.replicas > 0))
+               if not ok]
+        if bad:
+            raise LayoutError(f"Shard({self.dim!r}, blocks={self.blocks!r}, padded={self.padded!r}, "
+                              f"replicas={self.replicas!r}) has an invalid {' and '.join(bad)}",
+                              fix="dim is an int; blocks a non-empty tuple of positive ints or "
+                                  "None; padded a positive int or None; replicas >= 1")
+
+    @classmethod
+    def _parse(cls, text: str) -> Shard:
+        m = _SHARD.fullmatch(text)
+        fields: dict = {}
+        for part in (m.group(2).split("|")[1:] if m else ()):
+            if re.fullmatch(r"pad\d+", part):
+                key, value = "padded", int(part[3:])
+            elif re.fullmatch(r"x\d+", part):
+                key, value = "replicas", int(part[1:])
+            elif re.fullmatch(r"\d+(\+\d+)*", part):
+                key, value = "blocks", tuple(int(b) for b in part.split("+"))
+            else:
+                m = None
+                break
+            if key in fields:
+                m = None
+                break
+            fields[key] = value
+        if m is None:
+            raise LayoutError(f"not a layout: {text!r}",
+                              fix='write "R", "P" or "S(dim[|b1+b2+..][|padN][|xR])", '
+                                  'e.g. "S(0|32+32+32|pad128|x2)"')
+        try:
+            return cls(int(m.group(1)), **fields)
+        except LayoutError as e:
+            raise LayoutError(f"not a layout: {text!r} ({e.what})", fix=e.fix) from None
 
     def __str__(self) -> str:
         extra = ""
@@ -50,6 +152,11 @@ class Shard:
         if self.replicas > 1:
             extra += f"|x{self.replicas}"
         return f"S({self.dim}{extra})"
+
+    def to_json(self) -> dict:
+        return {"type": "shard", "dim": self.dim,
+                "blocks": list(self.blocks) if self.blocks else None,
+                "padded": self.padded, "replicas": self.replicas}
 
     def local_size(self, full: int, tp: int) -> int:
         return (self.padded or full) * self.replicas // tp
@@ -78,4 +185,87 @@ class Shard:
 
 
 Layout = Replicate | Shard | Partial
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+_DIM_NAME = re.compile(r"[A-Za-z_]\w*")
+
+
+@dataclass(frozen=True)
+class MeshLayout:
+    """A placement per named mesh dimension, outer to inner: ``MeshLayout.of(dp=R, tp=S(0))``."""
+
+    dims: tuple[tuple[str, Placement], ...]
+
+    def __post_init__(self):
+        object.__setattr__(self, "dims", tuple((n, p) for n, p in self.dims))
+        names = [n for n, _ in self.dims]
+        if not names or len(set(names)) != len(names) or \
+                not all(isinstance(n, str) and _DIM_NAME.fullmatch(n) for n in names):
+            raise LayoutError(f"mesh dimension names {names} must be distinct identifiers, "
+                              "at least one", fix='name them like a DeviceMesh: ("dp", "tp")')
+        bad = [n for n, p in self.dims if not isinstance(p, Placement)]
+        if bad:
+            raise LayoutError(f"mesh dimension {bad[0]!r} has no placement",
+                              fix="give each dimension Replicate(), Shard(...) or Partial()")
+
+    @classmethod
+    def of(cls, **placements: Placement) -> MeshLayout:
+        return cls(tuple(placements.items()))
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(n for n, _ in self.dims)
+
+    def __getitem__(self, name: str) -> Placement:
+        for n, p in self.dims:
+            if n == name:
+                return p
+        raise KeyError(name)
+
+    def get(self, name: str, default: Placement | None = None) -> Placement | None:
+        return next((p for n, p in self.dims if n == name), default)
+
+    def __str__(self) -> str:
+        return ",".join(f"{n}={p}" for n, p in self.dims)
+
+    @classmethod
+    def parse(cls, text: str) -> MeshLayout:
+        """The mesh layout whose ``str()`` is ``text``; ``LayoutError`` if there is none."""
+        if not isinstance(text, str):
+            raise LayoutError(f"a mesh layout is text, got {type(text).__name__}",
+                              fix='pass a string such as "dp=R,tp=S(0)"')
+        dims = []
+        for item in text.split(","):
+            name, eq, placement = item.partition("=")
+            if not eq:
+                raise LayoutError(f"not a mesh layout: {text!r}",
+                                  fix='write name=placement per mesh dim, e.g. "dp=R,tp=S(0)"')
+            dims.append((name.strip(), Placement.parse(placement)))
+        return cls(tuple(dims))
+
+
+@dataclass(frozen=True)
+class ParallelSpec:
+    """What a tensor of a sharded module is: its mesh layout and full (unpadded) shape."""
+
+    layout: MeshLayout
+    shape: tuple[int, ...]
+
+
+_SPEC = "_shardplan_spec"
+
+
+def set_spec(t: torch.Tensor, spec: ParallelSpec) -> torch.Tensor:
+    """Attach ``spec`` to ``t`` (as Megatron's ``tensor_model_parallel`` travels on a parameter)."""
+    setattr(t, _SPEC, spec)
+    return t
+
+
+def spec_of(t: torch.Tensor) -> ParallelSpec | None:
+    """The spec ``set_spec`` attached to ``t``; None for a tensor of no sharded module."""
+    return getattr(t, _SPEC, None)
 

@@ -16,7 +16,7 @@ from torch.utils import _pytree as pytree
 from .planner.capture import PLANNING_LOCK, Captured, capture
 from .planner.annotate import Annotation, annotate
 from .planner.inputs import check_dtypes
-from .layouts import Replicate
+from .layouts import Replicate, set_spec, spec_of
 from .planner.plan import build_plan
 from .planner.recompute import block_names, outline_blocks
 from .errors import CheckpointError, ConfigurationError
@@ -51,9 +51,6 @@ class ShardedModule(nn.Module):
             self._tensors = local_tensors(source, self._layouts, self._aliases,
                                           group.rank, group.size)
             gm = self._finish(ann, captured, args, kwargs)
-        canon = {captured.aliases.get(k, k): v for k, v in self._layouts.items()}
-        #: every parameter/buffer FQN (each alias of a tied weight) -> its layout
-        self.layouts = {fqn: canon.get(c, Replicate()) for fqn, c in self._aliases.items()}
         for name, child in gm.named_children():
             if not name.startswith(("tp_", "_", "submod_")):
                 self.add_module(name, child)
@@ -67,6 +64,12 @@ class ShardedModule(nn.Module):
     @property
     def group(self) -> Group:
         return self._group
+
+    @property
+    def layouts(self) -> dict:
+        """Every parameter/buffer FQN (each alias of a tied weight) -> its placement over
+        the TP group, as its tensor's spec says."""
+        return {fqn: spec_of(t).layout["tp"] for fqn, t in self._tensors.items()}
 
     @property
     def graph_module(self) -> fx.GraphModule:
@@ -103,6 +106,7 @@ class ShardedModule(nn.Module):
             if current.is_meta or current.shape != value.shape:
                 new = nn.Parameter(value.detach(), current.requires_grad) \
                     if isinstance(current, nn.Parameter) else value.detach()
+                set_spec(new, spec_of(current))
                 for alias, t in list(self._tensors.items()):
                     if t is current:
                         self._tensors[alias] = new

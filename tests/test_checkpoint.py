@@ -24,6 +24,7 @@ import torch
 from planner_cases import batch
 from shardplan import CheckpointError, Shard
 from shardplan import checkpoint as ck
+from shardplan.checkpoint import atomic, entries, files, full as full_sd, resharding
 from shardplan.planner.capture import capture
 from shardplan.models import build
 from shardplan.ranks import SimulatedRanks
@@ -302,7 +303,7 @@ def test_full_state_dict_round_trip(tmp_path, monkeypatch, name):
     ours, theirs = tmp_path / "ours.safetensors", tmp_path / "theirs.safetensors"
     safetensors.torch.save_model(original, theirs)  # tied weights under safetensors' choice of name
     read_whole: list[str] = []
-    monkeypatch.setattr(ck, "safe_open", functools.partial(SpyOpen, ck.safe_open, read_whole))
+    monkeypatch.setattr(files, "safe_open", functools.partial(SpyOpen, files.safe_open, read_whole))
     results = SimulatedRanks(2).run(full_round_trip, name, model(name, seed=1), full, [ours, theirs])
 
     gathered = results[0][1]
@@ -350,7 +351,7 @@ def test_crash_while_writing_a_rank_file_keeps_previous_checkpoint(tmp_path, mon
     v1, v2 = model("gpt"), model("gpt", seed=1)
     SimulatedRanks(2).run(save, "gpt", v1, path, True)
     written: dict[str, int] = {}
-    real = ck._write_tensor
+    real = files.write_tensor
 
     def failing(f, t):
         written[f.name] = written.get(f.name, 0) + 1
@@ -359,7 +360,7 @@ def test_crash_while_writing_a_rank_file_keeps_previous_checkpoint(tmp_path, mon
             raise OSError(28, "No space left on device (simulated)")
         real(f, t)
 
-    monkeypatch.setattr(ck, "_write_tensor", failing)
+    monkeypatch.setattr(files, "write_tensor", failing)
     with pytest.raises(CheckpointError, match="rank 1.*No space left"):
         SimulatedRanks(2).run(save, "gpt", v2, path, True)
     monkeypatch.undo()
@@ -373,7 +374,7 @@ def test_crash_while_writing_a_rank_file_keeps_previous_checkpoint(tmp_path, mon
 
 def test_directory_swap_without_renameat2(tmp_path, monkeypatch):
     """Where an atomic exchange is unsupported: two renames, and loads find the old one between."""
-    monkeypatch.setattr(ck, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
     path, v1, v2 = tmp_path / "ckpt", model("gpt"), model("gpt", seed=1)
     SimulatedRanks(1).run(save, "gpt", v1, path)
     SimulatedRanks(1).run(save, "gpt", v2, path)
@@ -390,7 +391,7 @@ def kill_mid_save(path):
     v1 = model("gpt")
     SimulatedRanks(2).run(save, "gpt", v1, path, True)
     v2 = model("gpt", seed=1)
-    real = ck._write_tensor
+    real = files.write_tensor
     count = {}
 
     def die(f, t):
@@ -401,7 +402,7 @@ def kill_mid_save(path):
             os.kill(os.getpid(), signal.SIGKILL)
         real(f, t)
 
-    ck._write_tensor = die
+    files.write_tensor = die
     SimulatedRanks(2).run(save, "gpt", v2, path, True)
 
 
@@ -515,23 +516,23 @@ def test_sliced_reads_equal_layout_slice(tmp_path, lay, tp):
     full = torch.randn(16 if not lay.padded else 10, 6) if lay.dim == 0 else torch.randn(6, 16)
     file = tmp_path / "t.safetensors"
     safetensors.torch.save_file({"w": full}, file)
-    entry = ck._Entry("w", [], torch.empty(0), lay, tuple(full.shape))
+    entry = entries.Entry("w", [], torch.empty(0), lay, tuple(full.shape))
     with safetensors.safe_open(file, "pt") as f:
         for rank in range(tp):
-            assert torch.equal(ck._read_local(f, "w", entry, rank, tp), lay.slice(full, rank, tp))
+            assert torch.equal(full_sd._read_local(f, "w", entry, rank, tp), lay.slice(full, rank, tp))
 
 
 def test_relayout_for_another_tp():
-    assert ck._relayout(Shard(0, None, 98), [97, 32], 4, 2, "k") == Shard(0, None, 100)
-    assert ck._relayout(Shard(0, None, 98), [97, 32], 1, 2, "k") == Shard(0)
-    assert ck._relayout(Shard(0, (32, 32, 32)), [96, 32], 4, 2, "k") == Shard(0, (32, 32, 32))
+    assert resharding._relayout(Shard(0, None, 98), [97, 32], 4, 2, "k") == Shard(0, None, 100)
+    assert resharding._relayout(Shard(0, None, 98), [97, 32], 1, 2, "k") == Shard(0)
+    assert resharding._relayout(Shard(0, (32, 32, 32)), [96, 32], 4, 2, "k") == Shard(0, (32, 32, 32))
     with pytest.raises(CheckpointError, match="blocks 32\\+32\\+32 do not divide by 3"):
-        ck._relayout(Shard(0, (32, 32, 32)), [96, 32], 3, 2, "k")
+        resharding._relayout(Shard(0, (32, 32, 32)), [96, 32], 3, 2, "k")
     two = Shard(0, None, None, 2)  # 2 K/V heads held by pairs of ranks at tp=4
-    assert ck._relayout(two, [32, 8], 8, 4, "k") == Shard(0, None, None, 4)
-    assert ck._relayout(two, [32, 8], 2, 4, "k") == Shard(0)
+    assert resharding._relayout(two, [32, 8], 8, 4, "k") == Shard(0, None, None, 4)
+    assert resharding._relayout(two, [32, 8], 2, 4, "k") == Shard(0)
     with pytest.raises(CheckpointError, match="2 parts"):
-        ck._relayout(two, [32, 8], 3, 4, "k")
+        resharding._relayout(two, [32, 8], 3, 4, "k")
 
 
 def test_meta_model_loads_its_shards_from_a_full_file_and_runs(tmp_path):

@@ -11,7 +11,7 @@ import tempfile
 import pytest
 
 import shardplan
-from shardplan.report.html import parse_layout, render_html
+from shardplan.report.html import render_html
 from shardplan.models import build
 
 CHROMIUM = "/usr/bin/chromium"
@@ -116,16 +116,6 @@ def test_small_plan_with_loss_padding_and_model_level_items():
     assert 'data-layout="S(0|pad98)"' in page
     assert 'data-purpose="vocab_loss"' in page and "model level" in page
     assert "tied" in page  # lm_head.weight is transformer.wte.weight
-
-
-def test_parse_layout():
-    assert parse_layout("R").kind == "R" and parse_layout("P").kind == "P"
-    s = parse_layout("S(0|3072+1024+1024|x2)")
-    assert (s.kind, s.dim, s.blocks, s.padded, s.replicas) == ("S", 0, (3072, 1024, 1024), None, 2)
-    s = parse_layout("S(-1|pad50264)")
-    assert (s.dim, s.padded, s.blocks) == (-1, 50264, None)
-    assert parse_layout("S(2)").dim == 2
-    assert parse_layout("Q(1)").kind == "?"
 
 
 # --------------------------------------------------------------------------- a real browser

@@ -1,11 +1,17 @@
-"""This rank's parameters and buffers, by the layouts an annotation gives them."""
+"""This rank's parameters and buffers, by the layouts an annotation gives them.
+
+Each tensor made here carries its ``ParallelSpec`` (mesh layout and full
+shape; ``layouts.spec_of``): optimizers, checkpoints and exports read it
+from the tensor.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 
-from ..layouts import Replicate, Shard
+from ..layouts import ParallelSpec, Replicate, Shard, set_spec
+from ..parallel_dims import ParallelDims
 
 
 def local_tensors(model: nn.Module, layouts: dict, aliases: dict[str, str],
@@ -15,14 +21,17 @@ def local_tensors(model: nn.Module, layouts: dict, aliases: dict[str, str],
     ``layouts`` maps any alias of a tensor to its layout (missing: replicated).
     Sharded tensors are fresh copies of this rank's slice (empty on meta);
     replicated ones are the model's own objects. Aliases (tied weights) map
-    to one object.
+    to one object. Every tensor gets its spec (on a replicated one, the
+    model's own object, that is ``dp=R,tp=R`` and its shape).
     """
     by_canon = {aliases.get(k, k): v for k, v in layouts.items()}
     made: dict[str, torch.Tensor] = {}
     out = {}
     for fqn, canon in aliases.items():
         if canon not in made:
-            made[canon] = _local(_get(model, canon), by_canon.get(canon, Replicate()), rank, tp)
+            full, lay = _get(model, canon), by_canon.get(canon, Replicate())
+            spec = ParallelSpec(ParallelDims.layout(lay), tuple(full.shape))
+            made[canon] = set_spec(_local(full, lay, rank, tp), spec)
         out[fqn] = made[canon]
     return out
 

@@ -7,7 +7,7 @@ styles for ``parallelize_module(model, mesh, styles)``:
 shardplan decision          DTensor style
 ==========================  ==================================================
 column, weight ``S(0)``     ``ColwiseParallel(use_local_output=local_output)``
-column whose output the     ``ColwiseParallel(output_layouts=Replicate())``
+column whose output the     ``ColwiseParallel(output_layouts=DReplicate())``
 plan gathers (an LM head)
 row, weight ``S(1)``        ``RowwiseParallel()``
 vocab_embedding             ``RowwiseParallel(input_layouts=Replicate())``
@@ -53,7 +53,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from ..errors import LayoutError
-from .html import parse_layout
+from ..layouts import Placement, Replicate, Shard
 
 __all__ = ["to_dtensor_plan", "to_hf_tp_plan", "export_issues", "ExportIssue",
            "parallelize_with_dtensor"]
@@ -111,7 +111,7 @@ def _analyse(plan, target: str, model=None) -> tuple[OrderedDict, list[ExportIss
 
     for m in mods.values():
         weight = m.params.get("weight")
-        wlay = parse_layout(weight.layout) if weight else None
+        wlay = Placement.parse(weight.layout) if weight else None
         lay_text = weight.layout if weight else "-"
         if len(m.roles) > 1:
             issues.append(ExportIssue(m.path, lay_text, f"planned with several roles ({', '.join(sorted(m.roles))}): "
@@ -122,7 +122,7 @@ def _analyse(plan, target: str, model=None) -> tuple[OrderedDict, list[ExportIss
             issues.append(ExportIssue(m.path, "P", "a partial sum from contracting a split activation with "
                                       "another activation: no module style places it"))
             continue
-        if weight is None or wlay.kind != "S":
+        if weight is None or not isinstance(wlay, Shard):
             issues.append(ExportIssue(m.path, lay_text, f"{role} decision without a split 'weight' "
                                       "parameter of its own (a functional op on a parent's parameter?)"))
             continue
@@ -163,10 +163,10 @@ def _analyse(plan, target: str, model=None) -> tuple[OrderedDict, list[ExportIss
         for attr, p in m.params.items():
             if attr == "weight":
                 continue
-            blay = parse_layout(p.layout)
+            blay = Placement.parse(p.layout)
             ok = attr == "bias" and (
-                (role == "row" and blay.kind == "R")
-                or (role == "column" and blay.kind == "S" and (blay.blocks or None) == (wlay.blocks or None)))
+                (role == "row" and isinstance(blay, Replicate))
+                or (role == "column" and isinstance(blay, Shard) and (blay.blocks or None) == (wlay.blocks or None)))
             if not ok:
                 m.style = None
                 issues.append(ExportIssue(m.path, p.layout, f"parameter {attr!r} with layout {p.layout} "
@@ -181,8 +181,8 @@ def _analyse(plan, target: str, model=None) -> tuple[OrderedDict, list[ExportIss
     mods = OrderedDict(sorted(mods.items(), key=lambda kv: order.get(kv[0], len(order))))
     exported = {m.path for m in mods.values() if m.style}
     for p in plan.params:
-        lay = parse_layout(p.layout)
-        if lay.kind == "R":
+        lay = Placement.parse(p.layout)
+        if isinstance(lay, Replicate):
             continue
         owners = [_owner(n)[0] for n in [p.name, *p.aliases]]
         if not any(o in exported for o in owners) and not any(i.module in owners for i in issues):
@@ -242,7 +242,7 @@ def to_dtensor_plan(plan, *, local_output: bool = True, model=None) -> dict:
     (``nn.Embedding`` for the vocabulary). Raises ``LayoutError`` for layouts with
     no DTensor style (see ``export_issues``).
     """
-    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Replicate as DReplicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     mods, issues = _analyse(plan, "dtensor", model)
@@ -252,11 +252,11 @@ def to_dtensor_plan(plan, *, local_output: bool = True, model=None) -> dict:
         if m.style == "column":
             out[m.path] = ColwiseParallel(use_local_output=local_output)
         elif m.style == "column_gather":
-            out[m.path] = ColwiseParallel(output_layouts=Replicate())
+            out[m.path] = ColwiseParallel(output_layouts=DReplicate())
         elif m.style == "row":
             out[m.path] = RowwiseParallel()
         elif m.style == "embedding":
-            out[m.path] = RowwiseParallel(input_layouts=Replicate())
+            out[m.path] = RowwiseParallel(input_layouts=DReplicate())
     return out
 
 

@@ -30,9 +30,10 @@ import re
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
+from ..layouts import Partial, Placement, Replicate, Shard
 from .text import human
 
-__all__ = ["render_html", "parse_layout", "ParsedLayout", "CATEGORIES"]
+__all__ = ["render_html", "CATEGORIES"]
 
 #: layout categories, in legend order: (key, label, colour, explanation)
 CATEGORIES = [
@@ -48,51 +49,13 @@ _BLOCK_INDEX = re.compile(r"^\d+$")
 
 # --------------------------------------------------------------------------- layouts
 
-@dataclass(frozen=True)
-class ParsedLayout:
-    """A layout string ("R", "P", "S(0)", "S(0|32+32+32)", "S(0|pad50260)", "S(0|x2)") as parts."""
-
-    kind: str  # "R" | "P" | "S" | "?"
-    dim: int | None = None
-    blocks: tuple[int, ...] | None = None
-    padded: int | None = None
-    replicas: int = 1
-    text: str = ""
-
-
-_SHARD = re.compile(r"^S\((-?\d+)((?:\|[^|)]*)*)\)$")
-
-
-def parse_layout(text: str) -> ParsedLayout:
-    """Parse a ``Plan`` layout string; unknown forms give ``kind="?"`` (never raise)."""
-    text = text.strip()
-    if text in ("R", "P"):
-        return ParsedLayout(text, text=text)
-    m = _SHARD.match(text)
-    if not m:
-        return ParsedLayout("?", text=text)
-    blocks, padded, replicas = None, None, 1
-    for part in filter(None, m.group(2).split("|")):
-        if part.startswith("pad") and part[3:].isdigit():
-            padded = int(part[3:])
-        elif part.startswith("x") and part[1:].isdigit():
-            replicas = int(part[1:])
-        elif re.fullmatch(r"\d+(\+\d+)*", part):
-            blocks = tuple(int(b) for b in part.split("+"))
-        else:
-            return ParsedLayout("?", text=text)
-    return ParsedLayout("S", int(m.group(1)), blocks, padded, replicas, text)
-
-
 def describe_layout(text: str) -> str:
     """A layout string in words."""
-    lay = parse_layout(text)
-    if lay.kind == "R":
+    lay = Placement.parse(text)
+    if isinstance(lay, Replicate):
         return "replicated: every rank holds the whole tensor"
-    if lay.kind == "P":
+    if isinstance(lay, Partial):
         return "partial: every rank holds a summand, the sum is the value"
-    if lay.kind != "S":
-        return text
     words = f"split on dim {lay.dim}"
     if lay.blocks:
         words += f", by blocks {'+'.join(map(str, lay.blocks))} (each rank holds its slice of every block)"
@@ -212,9 +175,9 @@ class _Colours:
         self.param_cat = {p.name: self._param(p) for p in plan.params}
 
     def _param(self, p) -> str:
-        lay = parse_layout(p.layout)
-        if lay.kind != "S":
-            return "replicated" if lay.kind == "R" else "partial"
+        lay = Placement.parse(p.layout)
+        if not isinstance(lay, Shard):
+            return "replicated" if isinstance(lay, Replicate) else "partial"
         mods = [_module_of_param(p.name)] + [_module_of_param(a) for a in p.aliases]
         roles = set().union(*(self.roles.get(m, set()) for m in mods))
         dim = lay.dim if lay.dim >= 0 else lay.dim + len(p.global_shape)
@@ -245,10 +208,10 @@ class _Colours:
 
     @staticmethod
     def output(d, module_cat: str) -> str:
-        lay = parse_layout(d.layout)
-        if lay.kind == "P":
+        lay = Placement.parse(d.layout)
+        if isinstance(lay, Partial):
             return "partial"
-        if lay.kind == "R":
+        if isinstance(lay, Replicate):
             return "replicated"
         return "vocab" if module_cat == "vocab" or lay.padded else "column"
 
@@ -265,12 +228,12 @@ def _shape(s) -> str:
 
 def _glyph(p, cat: str, tp: int) -> str:
     """A tiny SVG of the tensor: the part rank 0 holds filled, the other ranks' parts tinted."""
-    lay = parse_layout(p.layout)
+    lay = Placement.parse(p.layout)
     colour = _COLOUR[cat]
     two_d = len(p.global_shape) >= 2
     W, H = (30, 22) if two_d else (30, 8)
     out = [f'<svg class="glyph" width="{W}" height="{H}" viewBox="0 0 {W} {H}" aria-hidden="true">']
-    if lay.kind != "S":
+    if not isinstance(lay, Shard):
         out.append(f'<rect x="0.5" y="0.5" width="{W - 1}" height="{H - 1}" rx="2" fill="{colour}" '
                    f'fill-opacity="0.85"/>')
     else:

@@ -46,7 +46,7 @@ import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..errors import ConfigurationError
-from ..layouts import Shard
+from ..layouts import Shard, spec_of
 
 __all__ = ["build_optimizer", "param_groups", "lr_schedule", "cosine_scheduler",
            "clip_grad_norm_", "average_gradients", "grad_norm", "TPGradScaler"]
@@ -201,16 +201,20 @@ def _all_reduce(t: torch.Tensor, group, op: str, site: str, direction: str = "no
 # --------------------------------------------------------------------------
 
 def _owned(model: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor], object]:
-    """(every gradient, the gradients this rank counts in the norm, the TP group or None)."""
-    layouts = getattr(model, "layouts", None) or {}
+    """(every gradient, the gradients this rank counts in the norm, the TP group or None).
+
+    Each parameter's placement comes from its spec (``layouts.spec_of``); a
+    parameter without one (a plain module's) is replicated.
+    """
     group = getattr(model, "group", None)
     rank = group.rank if group is not None else 0
     every, owned = [], []
-    for name, p in model.named_parameters():  # tied parameters once
+    for p in model.parameters():  # tied parameters once
         if p.grad is None:
             continue
         every.append(p.grad)
-        lay = layouts.get(name)
+        spec = spec_of(p)
+        lay = spec.layout["tp"] if spec is not None else None
         if isinstance(lay, Shard):
             if rank % lay.replicas == 0:  # the first rank of the ranks sharing this slice
                 owned.append(p.grad)

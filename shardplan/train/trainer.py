@@ -4,7 +4,8 @@
         --batch-size 8 --seq-len 32 --data input.txt --save ckpt --save-every 50
     torchrun --nproc-per-node 4 -m shardplan.train --tp 2 ... --resume ckpt
 
-The world is a 2-D mesh (dp, tp), rank = dp_rank * tp + tp_rank: the model is
+The world is a 2-D mesh (dp, tp) that ``ParallelDims`` builds,
+rank = dp_rank * tp + tp_rank: the model is
 parallelized over each "tp" row; gradients are averaged over each "dp"
 column (one flat all-reduce). NCCL when CUDA is available (with gloo beside it
 for CPU tensors), else gloo.
@@ -72,7 +73,7 @@ from ..runtime.consistency import assert_same_across, check_replicas
 from ..errors import CommunicationError, ConfigurationError
 from .optim import (TPGradScaler, average_gradients, build_optimizer, clip_grad_norm_,
                     lr_schedule)
-from ..runtime.comm import TorchGroup
+from ..parallel_dims import ParallelDims
 from ..runtime.random import MODEL_PARALLEL, REPLICATED, manual_seed
 
 __all__ = ["TrainConfig", "Trainer", "TokenData", "build_model", "train", "main",
@@ -312,20 +313,6 @@ def init_distributed(device: torch.device) -> bool:
     return True
 
 
-def _sizes(config: TrainConfig, world: int) -> tuple[int, int]:
-    tp, dp = config.tp, config.dp
-    if tp is None and dp is None:
-        tp, dp = world, 1
-    elif tp is None:
-        tp = world // dp
-    elif dp is None:
-        dp = world // tp
-    if tp * dp != world or tp < 1:
-        raise ConfigurationError(f"tp={config.tp} x dp={config.dp} does not fill the world "
-                                 f"of {world} ranks",
-                                 fix="launch tp * dp processes (torchrun --nproc-per-node), "
-                                     "or pass --tp that divides it")
-    return tp, dp
 
 
 # --------------------------------------------------------------------------
@@ -358,12 +345,12 @@ class Trainer:
         self.device = _device(config)
         init_distributed(self.device)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.tp, self.dp = _sizes(config, self.world)
-        from torch.distributed.device_mesh import init_device_mesh
-        self.mesh = init_device_mesh(self.device.type, (self.dp, self.tp),
-                                     mesh_dim_names=("dp", "tp"))
-        self.tp_rank, self.dp_rank = self.mesh.get_local_rank("tp"), self.mesh.get_local_rank("dp")
-        self.dp_pg = self.mesh.get_group("dp")
+        #: the parallel dims and their ("dp", "tp") mesh
+        self.dims = ParallelDims.for_world(self.world, tp=config.tp, dp=config.dp) \
+            .with_mesh(self.device.type)
+        self.tp, self.dp = self.dims.tp, self.dims.dp
+        self.dp_group = self.dims.dp_group
+        self.tp_rank, self.dp_rank = self.dims.tp_group.rank, self.dp_group.rank
 
         self.data = TokenData(config.data, seq_len=config.seq_len, batch_size=config.batch_size,
                               dp=self.dp, seed=config.seed)
@@ -373,7 +360,7 @@ class Trainer:
         model.to(self.device).train()
         self.n_params = sum(p.numel() for p in model.parameters())
         example = tuple(t.to(self.device) for t in self.data.batch(0, self.dp_rank))
-        self.sharded = parallelize(model, mesh=self.mesh, example_inputs=example,
+        self.sharded = parallelize(model, mesh=self.dims.mesh, example_inputs=example,
                                    gather_output=False, recompute=config.recompute)
         self.tracker = manual_seed(config.seed, self.tp_rank)
         self.optimizer = build_optimizer(self.sharded, config.lr,
@@ -410,9 +397,9 @@ class Trainer:
         scaler.scale(loss).backward()  # without fp16: loss.backward()
         scaler.unscale_(self.optimizer)  # clip unscaled gradients; fp16's agreed overflow check
         if c.clip > 0:
-            norm = clip_grad_norm_(self.sharded, c.clip, dp_group=self.dp_pg)
+            norm = clip_grad_norm_(self.sharded, c.clip, dp_group=self.dp_group)
         else:
-            average_gradients(self.sharded.parameters(), self.dp_pg)
+            average_gradients(self.sharded.parameters(), self.dp_group)
             norm = clip_grad_norm_(self.sharded, None)
         if c.fp16:  # an overflow on any rank: every rank skips and backs the scale off
             skipped = scaler.found_inf(self.optimizer)
@@ -429,7 +416,7 @@ class Trainer:
                   file=sys.stderr, flush=True)
         mean = loss.detach().float().reshape(1)
         if self.dp > 1:
-            dist.all_reduce(mean, group=self.dp_pg)
+            dist.all_reduce(mean, group=self.dp_group.pg)
             mean /= self.dp
         self.step += 1
         record = {"step": self.step, "loss": mean.item(), "lr": lr, "grad_norm": norm.item(),
@@ -483,7 +470,7 @@ class Trainer:
             errors.append(e)
         if self.dp > 1:
             try:
-                assert_same_across(TorchGroup(self.dp_pg), dict(self.sharded.named_parameters()),
+                assert_same_across(self.dp_group, dict(self.sharded.named_parameters()),
                                    what="data-parallel replicas drifted",
                                    fix="every replica must average the same gradients and "
                                        "step alike; report it with the plan")

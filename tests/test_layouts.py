@@ -1,0 +1,89 @@
+"""The layout codec: text and JSON forms of placements and mesh layouts, and their errors."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from shardplan import LayoutError
+from shardplan.layouts import (MeshLayout, ParallelSpec, Partial, Placement, Replicate, Shard,
+                               set_spec, spec_of)
+
+# every field combination of a shard: dim (negative too), blocks, padding, replicas
+SHARDS = [Shard(dim, blocks, padded, replicas)
+          for dim, blocks, padded, replicas in itertools.product(
+              (0, 2, -1), (None, (32,), (3072, 1024, 1024)), (None, 128), (1, 2))]
+PLACEMENTS = [Replicate(), Partial(), *SHARDS]
+
+
+@pytest.mark.parametrize("p", PLACEMENTS, ids=str)
+def test_text_round_trip(p):
+    assert Placement.parse(str(p)) == p
+
+
+@pytest.mark.parametrize("p", PLACEMENTS, ids=str)
+def test_json_round_trip(p):
+    assert Placement.from_json(p.to_json()) == p
+
+
+def test_text_forms():
+    """The written forms are the ones plans and reports have always shown."""
+    assert [str(p) for p in (Replicate(), Partial(), Shard(0), Shard(-1, None, 50264))] == \
+        ["R", "P", "S(0)", "S(-1|pad50264)"]
+    assert str(Shard(0, (32, 32, 32), 128, 2)) == "S(0|32+32+32|pad128|x2)"
+    assert Placement.parse(" S(1|x2|pad8) ") == Shard(1, None, 8, 2)  # fields in any order
+
+
+@pytest.mark.parametrize("text", ["", "Q(1)", "S()", "S(a)", "S(0", "S(0|)", "S(0|pad)",
+                                  "S(0|x0)", "S(0|0+1)", "S(0|1|2)", "S(0|x2|x2)", "RR",
+                                  "S(0|32+)", "S(1.5)"])
+def test_malformed_text_is_a_layout_error(text):
+    with pytest.raises(LayoutError, match="not a layout"):
+        Placement.parse(text)
+
+
+@pytest.mark.parametrize("d", [{}, {"type": "shard"}, {"type": "shard", "dim": "x"},
+                               {"type": "column"}, ["shard", 0], None])
+def test_malformed_json_is_a_layout_error(d):
+    with pytest.raises(LayoutError, match="not a layout"):
+        Placement.from_json(d)
+
+
+def test_invalid_shard_fields():
+    with pytest.raises(LayoutError, match="invalid padded"):
+        Shard(0, None, 0)
+    with pytest.raises(LayoutError, match="invalid blocks"):
+        Shard(0, ())
+    assert Shard(0, [4, 4]) == Shard(0, (4, 4))  # blocks are kept as a tuple (hashable)
+
+
+@pytest.mark.parametrize("layout", [MeshLayout.of(tp=p) for p in PLACEMENTS[:4]]
+                         + [MeshLayout.of(dp=Replicate(), tp=s) for s in SHARDS[::5]]
+                         + [MeshLayout.of(dp=Shard(0), tp=Partial())], ids=str)
+def test_mesh_layout_text_round_trip(layout):
+    assert MeshLayout.parse(str(layout)) == layout
+
+
+def test_mesh_layout_by_name_and_order():
+    lay = MeshLayout.parse("dp=R,tp=S(0|8+8)")
+    assert lay.names == ("dp", "tp")  # outer to inner, as written
+    assert lay["tp"] == Shard(0, (8, 8)) and lay["dp"] == Replicate()
+    assert lay.get("cp") is None and lay.get("cp", Replicate()) == Replicate()
+    with pytest.raises(KeyError):
+        lay["pp"]
+    assert MeshLayout.parse("tp=R,dp=R") != MeshLayout.parse("dp=R,tp=R")
+
+
+@pytest.mark.parametrize("text", ["", "tp", "tp=Q", "dp=R,dp=R", "1x=R", "tp=R;dp=R"])
+def test_malformed_mesh_layout_is_a_layout_error(text):
+    with pytest.raises(LayoutError):
+        MeshLayout.parse(text)
+
+
+def test_spec_travels_on_the_tensor():
+    p = torch.nn.Parameter(torch.zeros(2, 3))
+    assert spec_of(p) is None
+    spec = ParallelSpec(MeshLayout.of(dp=Replicate(), tp=Shard(0)), (4, 3))
+    assert set_spec(p, spec) is p and spec_of(p) == spec
