@@ -164,10 +164,8 @@ def parser() -> argparse.ArgumentParser:
     sub.add_parser("bench", help="run the benchmarks and update docs/benchmarks.md "
                                  "(arguments go to python -m benchmarks; bench --help lists them)")
 
-
     from .train import demo
-    m = sub.add_parser("demo", help="train the bundled GPT on text at tp=2 on gloo, check it "
-                                    "matches unsharded, write a loss plot and summary")
+    m = sub.add_parser("demo", help=demo.DESCRIPTION)
     demo.add_arguments(m)
     m.set_defaults(run=_cmd_demo)
     return ap
