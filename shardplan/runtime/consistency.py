@@ -6,8 +6,8 @@ every rank who failed, and a second one (only then) carries each failed
 rank's message, so the ranks that did not fail raise an error quoting the
 root cause instead of waiting in the next collective. Their error is marked
 ``secondary`` (``runtime.comm``), so the rank runners report the failed
-rank's own error first. The trainer's replica check and checkpoint saves and
-loads go through it.
+rank's own error first. The model and replica checks below and the
+trainer's world-wide replica check go through it.
 
 The checks: each rank reduces every tensor to a fingerprint (float64 sum and
 sum of squares), rank 0's fingerprints are broadcast, every rank compares,
