@@ -641,7 +641,7 @@ def parser() -> argparse.ArgumentParser:
     types = typing.get_type_hints(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
         kwargs = dict(f.metadata)
-        help_text = kwargs.pop("help")
+        help_text = kwargs.pop("help", "")  # a field declared with option() has help
         flag = "--" + f.name.replace("_", "-")
         if types[f.name] is bool:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
