@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import json
-import os
 import sys
 import warnings
 from pathlib import Path
@@ -27,12 +25,9 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from .errors import ShardplanError
+from .errors import ShardplanError, TargetError
 from .models import PRESETS
-
-
-class TargetError(Exception):
-    """TARGET names nothing we can build."""
+from .models.factory import call_factory, import_factory
 
 
 def build_target(target: str, *, meta: bool) -> nn.Module:
@@ -45,23 +40,17 @@ def build_target(target: str, *, meta: bool) -> nn.Module:
     if ":" not in target:
         raise TargetError(f"unknown target {target!r}: not a bundled preset "
                           f"({', '.join(PRESETS)}) nor an import string package.module:factory")
-    factory = _import(target)
-    model = None
+    factory = import_factory(target)
     if meta:
         try:
             with torch.device("meta"):
                 model = factory()
+            if isinstance(model, nn.Module):
+                return model
         except Exception as e:  # some factories cannot build on meta: try for real
             print(f"shardplan: note: {target}() failed on the meta device "
                   f"({type(e).__name__}: {e}); building it on the CPU", file=sys.stderr)
-    if model is None:
-        try:
-            model = factory()
-        except Exception as e:
-            raise TargetError(f"{target}() raised {type(e).__name__}: {e}") from e
-    if not isinstance(model, nn.Module):
-        raise TargetError(f"{target}() returned {type(model).__name__}, not a torch.nn.Module")
-    return model
+    return call_factory(target, factory)
 
 
 def _hf_model(path: str, *, meta: bool) -> nn.Module:
@@ -84,28 +73,6 @@ def _hf_model(path: str, *, meta: bool) -> nn.Module:
                           f"(architectures: {arch!r})")
     with torch.device("meta") if meta else contextlib.nullcontext():
         return cls(config)
-
-
-def _import(target: str):
-    module_name, _, attr = target.partition(":")
-    if not module_name or not attr:
-        raise TargetError(f"bad import string {target!r}: expected package.module:factory")
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())  # like `python -m`: modules in the working directory
-    try:
-        obj = importlib.import_module(module_name)
-    except Exception as e:
-        raise TargetError(f"cannot import {module_name!r} from {target!r}: "
-                          f"{type(e).__name__}: {e}") from e
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise TargetError(f"{module_name!r} has no attribute {attr!r} "
-                              f"(from {target!r})") from None
-    if not callable(obj):
-        raise TargetError(f"{target!r} is a {type(obj).__name__}, not a callable factory")
-    return obj
 
 
 def _tp(text: str) -> int:
@@ -197,10 +164,8 @@ def parser() -> argparse.ArgumentParser:
     sub.add_parser("bench", help="run the benchmarks and update docs/benchmarks.md "
                                  "(arguments go to python -m benchmarks; bench --help lists them)")
 
-
     from .train import demo
-    m = sub.add_parser("demo", help="train the bundled GPT on text at tp=2 on gloo, check it "
-                                    "matches unsharded, write a loss plot and summary")
+    m = sub.add_parser("demo", help=demo.DESCRIPTION)
     demo.add_arguments(m)
     m.set_defaults(run=_cmd_demo)
     return ap

@@ -27,6 +27,10 @@ class ConfigurationError(ShardplanError):
     """Bad arguments or environment: tp, process groups, devices, dtypes."""
 
 
+class TargetError(ConfigurationError):
+    """A model name (CLI TARGET, ``--model``) that names nothing shardplan can build."""
+
+
 class CaptureError(ShardplanError):
     """The model could not be captured as a graph."""
 

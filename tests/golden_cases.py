@@ -7,7 +7,6 @@ change of plan is intended, and say why in the commit.
 from __future__ import annotations
 
 import json
-from collections import Counter
 from pathlib import Path
 
 import torch

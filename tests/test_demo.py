@@ -1,4 +1,4 @@
-"""``shardplan demo``: the whole job as a user runs it, and its hand-written PNG."""
+"""``shardplan demo``: the whole job as a user runs it, and its loss plot."""
 
 from __future__ import annotations
 
@@ -8,67 +8,51 @@ import os
 import struct
 import subprocess
 import sys
-import zlib
 
 import pytest
 
 import shardplan
-from shardplan.train import demo
+from shardplan.train import demo, plot
 
 
-def read_png(path: str) -> tuple[int, int, bytes]:
-    """(width, height, RGB bytes) of an 8-bit RGB PNG; checks signature, CRCs, filters."""
+def png_size(path: str) -> tuple[int, int]:
+    """(width, height) of a PNG file; checks the signature and that the header comes first."""
     with open(path, "rb") as f:
-        data = f.read()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, chunks = 8, []
-    while pos < len(data):
-        (n,) = struct.unpack(">I", data[pos:pos + 4])
-        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + n]
-        (crc,) = struct.unpack(">I", data[pos + 8 + n:pos + 12 + n])
-        assert crc == zlib.crc32(kind + body) & 0xFFFFFFFF, kind
-        chunks.append((kind, body))
-        pos += 12 + n
-    assert [k for k, _ in chunks][0] == b"IHDR" and chunks[-1] == (b"IEND", b"")
-    width, height, depth, color, comp, filt, interlace = struct.unpack(">IIBBBBB", chunks[0][1])
-    assert (depth, color, comp, filt, interlace) == (8, 2, 0, 0, 0)
-    raw = zlib.decompress(b"".join(b for k, b in chunks if k == b"IDAT"))
-    stride = 3 * width
-    assert len(raw) == height * (stride + 1)
-    rows = [raw[y * (stride + 1):(y + 1) * (stride + 1)] for y in range(height)]
-    assert all(r[0] == 0 for r in rows)  # filter type None on every row
-    return width, height, b"".join(r[1:] for r in rows)
+        head = f.read(24)
+    assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR"
+    return struct.unpack(">II", head[16:24])
 
 
-def test_png_writer_round_trip(tmp_path):
-    w, h = 7, 5
-    px = bytes(v for y in range(h) for x in range(w) for v in (x * 30, y * 50, 255 - x - y))
-    path = str(tmp_path / "t.png")
-    demo.write_png(path, w, h, px)
-    assert read_png(path) == (w, h, px)
-    with pytest.raises(ValueError):
-        demo.write_png(path, w, h, px[:-1])
-
-
-def test_plot_draws_axes_text_and_both_curves(tmp_path):
-    path = str(tmp_path / "plot.png")
+def _figure(ok: bool = True):
     a = [5.5 - 0.03 * i for i in range(100)]
-    demo.plot_curves(path, [("unsharded", a, (240, 150, 40), 5), ("tp=2", a, (30, 70, 200), 1)],
-                     title="title", note="max |Δloss| 0.0e+00", xlabel="step", ylabel="loss",
-                     size=(400, 300))
-    w, h, px = read_png(path)
-    assert (w, h) == (400, 300)
-    colors = {px[i:i + 3] for i in range(0, len(px), 3)}
-    assert bytes((240, 150, 40)) in colors and bytes((30, 70, 200)) in colors
-    assert bytes((30, 30, 30)) in colors  # axes, ticks and labels
-    # the thin curve is drawn over the thick one, which shows on both sides of it
-    assert sum(px[i:i + 3] == bytes((240, 150, 40)) for i in range(0, len(px), 3)) > 200
+    b = [v + 1e-6 for v in a]
+    return plot.loss_figure([plot.Curve("unsharded", b, "tab:orange", 5.0),
+                             plot.Curve("tp=2 dp=1", a, "tab:blue", 1.5)],
+                            title="shardplan demo: GPT tiny, training loss",
+                            verdict=f"max |Δloss| 1.0e-06: {'match' if ok else 'DISAGREE'}")
 
 
-def test_nice_ticks_cover_the_range():
-    for lo, hi in [(2.31, 5.57), (0, 150), (1.0, 1.0), (1e-7, 3e-6)]:
-        t = demo.nice_ticks(lo, hi)
-        assert t[0] <= lo and t[-1] >= hi and 2 <= len(t) <= 12
+def test_loss_figure_has_both_curves_and_the_verdict():
+    fig = _figure()
+    (ax,) = fig.axes
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    assert set(lines) == {"unsharded", "tp=2 dp=1"}
+    assert list(lines["tp=2 dp=1"].get_xdata()) == list(range(1, 101))
+    assert lines["tp=2 dp=1"].get_ydata()[0] == 5.5
+    assert lines["unsharded"].get_linewidth() > lines["tp=2 dp=1"].get_linewidth()
+    # the thin curve is drawn over the thick one
+    assert ax.get_lines().index(lines["tp=2 dp=1"]) > ax.get_lines().index(lines["unsharded"])
+    assert ax.get_legend().get_title().get_text() == "max |Δloss| 1.0e-06: match"
+    assert (ax.get_xlabel(), ax.get_ylabel()) == ("step", "loss")
+    assert "training loss" in ax.get_title()
+    plot.pyplot().close(fig)
+
+
+def test_save_png_writes_a_png_of_the_plot_size(tmp_path):
+    path = str(tmp_path / "loss.png")
+    plot.save_png(_figure(ok=False), path)
+    assert png_size(path) == plot.SIZE
+    assert os.path.getsize(path) > 10_000  # text and lines, not an empty canvas
 
 
 def test_progress_writes_plain_lines_when_not_a_terminal():
@@ -112,7 +96,7 @@ def test_demo_end_to_end(tmp_path):
     assert len(summary["losses"]["sharded"]) == len(summary["losses"]["unsharded"]) == 6
     assert summary["max_abs_diff"] < 1e-4
     assert summary["losses"]["sharded"][-1] < summary["losses"]["sharded"][0]  # it learns
-    w, h, _ = read_png(os.path.join(out, summary["plot"]["file"]))
+    w, h = png_size(os.path.join(out, summary["plot"]["file"]))
     assert (w, h) == (summary["plot"]["width"], summary["plot"]["height"])
     with open(os.path.join(out, "plan.json")) as f:
         plan = shardplan.Plan.from_json(f.read())
@@ -137,4 +121,6 @@ def test_demo_with_data_parallelism(tmp_path):
 def test_bad_options_exit_2(capsys):
     from shardplan.cli import main
     assert main(["demo", "--dp", "3"]) == 2  # 16 sequences do not split over 3 replicas
+    assert "does not split over dp=3" in capsys.readouterr().err
+    assert demo.main(["--dp", "3"]) == 2  # python -m shardplan.train.demo: the same
     assert "does not split over dp=3" in capsys.readouterr().err

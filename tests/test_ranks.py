@@ -18,6 +18,7 @@ from shardplan.errors import CommunicationError
 from shardplan.models import build
 from shardplan.ranks import RealRanks, SimulatedRanks
 from shardplan.runtime import copy_to_region
+from shardplan.runtime.consistency import agree
 from shardplan.runtime.ledger import CommLedger
 
 pytestmark = pytest.mark.timeout(120)
@@ -85,6 +86,19 @@ def _raise_on_rank1(ctx):
     if ctx.rank == 1:
         raise ValueError("bad input on this rank")
     return ctx.rank
+
+
+def _agree_on_rank1_failure(ctx):
+    """Every rank raises together; returns what each rank caught."""
+    try:
+        agree(ctx.group, "the test step", lambda: _raise_on_rank1(ctx), fix="feed it better")
+    except CommunicationError as e:
+        return type(e.__cause__).__name__, getattr(e, "secondary", False), str(e)
+    return None
+
+
+def _agree_all_fine(ctx):
+    return agree(ctx.group, "the test step", lambda: 10 * ctx.rank)
 
 
 def _raise_on_rank1_peers_in_collective(ctx, error):
@@ -208,6 +222,22 @@ def test_error_names_rank(kind, real_ranks, sim_ranks):
     with pytest.raises(ValueError, match="bad input on this rank") as info:
         ranks.run(_raise_on_rank1)
     assert "rank 1" in _message(info.value)
+
+
+def test_agree_raises_on_every_rank_quoting_the_root_cause(ranks):
+    n = ranks.world_size
+    assert ranks.run(_agree_all_fine) == [10 * r for r in range(n)]
+    if n == 1:
+        return
+    caught = ranks.run(_agree_on_rank1_failure)
+    cause, secondary, message = caught[1]  # the failed rank: its own error, wrapped
+    assert (cause, secondary) == ("ValueError", False)
+    assert "the test step failed on rank 1: ValueError: bad input" in message
+    assert "fix: feed it better" in message
+    for r in set(range(n)) - {1}:  # its peers: a secondary error quoting it
+        cause, secondary, message = caught[r]
+        assert secondary and "the test step failed on rank 1:" in message
+        assert "bad input on this rank" in message and "rank 1's error is quoted" in message
 
 
 def test_error_surfaces(kind, real_ranks, sim_ranks):

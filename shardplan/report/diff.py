@@ -14,16 +14,14 @@ Compared:
 
 from __future__ import annotations
 
-import re
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
+from ..planner import blocks
 from .text import human
 
 __all__ = ["compare_plans", "diff_plans", "PlanDiff", "ParamChange", "CollectiveChange",
            "RoleChange"]
-
-_INDEX = re.compile(r"\.(\d+)(?=\.|$)")
 
 
 @dataclass(frozen=True)
@@ -159,38 +157,16 @@ def _collectives(p) -> dict:
 
 # --------------------------------------------------------------------------- text
 
-def _fold(items, key):
-    """Group items whose names differ only in block indices and whose ``key`` is equal:
-    [(pattern, [indices], first item)] in first-appearance order."""
-    groups: OrderedDict = OrderedDict()
-    for it in items:
-        name = it.name if hasattr(it, "name") else it.module
-        idx = [int(m) for m in _INDEX.findall(name)]
-        pattern = _INDEX.sub(".*", name) if idx else name
-        groups.setdefault((pattern, key(it)), []).append((tuple(idx), it))
-    out = []
-    for (pattern, _), members in groups.items():
-        if len(members) == 1:
-            out.append((members[0][1].name if hasattr(members[0][1], "name") else members[0][1].module,
-                        None, members[0][1]))
-        else:
-            out.append((pattern, [m[0] for m in members], members[0][1]))
-    return out
+def _unpack(f: blocks.Fold):
+    return f.name, f.indices, f.item
 
 
 def _ranges(indices) -> str:
     """'0-79, 80 blocks' for [(0,), (1,), ... (79,)]; nested indices by their first number."""
-    firsts = sorted({i[0] for i in indices if i})
+    firsts = [i[0] for i in indices if i]
     if not firsts:
         return f"{len(indices)} blocks"
-    spans, start, prev = [], firsts[0], firsts[0]
-    for i in firsts[1:]:
-        if i != prev + 1:
-            spans.append((start, prev))
-            start = i
-        prev = i
-    spans.append((start, prev))
-    text = ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in spans)
+    text = blocks.span_text(firsts)
     return f"{text}, {len(indices)} blocks" if len(indices) > 1 else text
 
 
@@ -242,7 +218,8 @@ def _render(d: PlanDiff) -> str:
         lines.append("\ndecisions (roles per module):")
         rows = [(name, "/".join(r.roles_a) or "-", "/".join(r.roles_b) or "-",
                  f"[{_ranges(idx)}]" if idx else "")
-                for name, idx, r in _fold(d.roles, key=lambda r: (r.roles_a, r.roles_b))]
+                for name, idx, r in map(_unpack, blocks.fold(d.roles, lambda r: r.module,
+                                                             key=lambda r: (r.roles_a, r.roles_b)))]
         w0, w1, w2 = (max(len(r[i]) for r in rows) for i in range(3))
         for r in rows:
             lines.append(f"  {r[0]:{w0}}  {r[1]:{w1}} -> {r[2]:{w2}}  {r[3]}".rstrip())
@@ -254,8 +231,9 @@ def _render(d: PlanDiff) -> str:
                 continue
             lines.append(f"  {kind}:")
             rows = []
-            for name, idx, p in _fold(items, key=lambda p: (p.layout_a, p.layout_b, p.local_a, p.local_b,
-                                                          p.global_a, p.global_b)):
+            for name, idx, p in map(_unpack, blocks.fold(
+                    items, lambda p: p.name,
+                    key=lambda p: (p.layout_a, p.layout_b, p.local_a, p.local_b, p.global_a, p.global_b))):
                 where = f"[{_ranges(idx)}]" if idx else ""
                 if kind == "changed":
                     glob = "" if p.global_a == p.global_b else \

@@ -48,17 +48,15 @@ does it).
 
 from __future__ import annotations
 
-import re
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from ..errors import LayoutError
 from ..layouts import Placement, Replicate, Shard
+from ..planner import blocks
 
 __all__ = ["to_dtensor_plan", "to_hf_tp_plan", "export_issues", "ExportIssue",
            "parallelize_with_dtensor"]
-
-_INDEX = re.compile(r"\.(\d+)(?=\.|$)")
 
 
 @dataclass(frozen=True)
@@ -288,11 +286,10 @@ def to_hf_tp_plan(plan, *, prefix: str | None = None, model=None) -> dict[str, s
     known |= {d.module for d in plan.decisions}
     by_pattern: OrderedDict = OrderedDict()
     for path in styles:
-        by_pattern.setdefault(_INDEX.sub(".*", path), []).append(path)
+        by_pattern.setdefault(blocks.pattern(path), []).append(path)
     out: dict[str, str] = {}
     for pattern, paths in by_pattern.items():
-        rx = re.compile("^" + re.escape(pattern).replace(r"\*", r"\d+") + "$")
-        instances = [k for k in known if rx.match(k)]
+        instances = blocks.instances(pattern, known)
         values = {styles.get(k) for k in instances}
         if pattern != paths[0] and len(values) == 1 and len(instances) > 1:
             out[pattern] = styles[paths[0]]

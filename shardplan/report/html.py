@@ -16,7 +16,8 @@ network, no external fonts) that shows:
 - the rule behind each decision on hover (``title``) and, on click, in a
   details panel.
 
-The page works without JavaScript (everything but the details panel is
+The style and script are ``html.css`` and ``html.js`` beside this module
+(package data), inlined into every page. The page works without JavaScript (everything but the details panel is
 static HTML); the script only adds the panel, legend filtering, and marks the
 document ``data-rendered="1"`` once it ran (``window.onerror`` writes any
 script error into a ``#js-error`` element: tests look for both).
@@ -27,10 +28,12 @@ from __future__ import annotations
 import html
 import json
 import re
+from importlib import resources
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from ..layouts import Partial, Placement, Replicate, Shard
+from ..planner import blocks
 from .text import human
 
 __all__ = ["render_html", "CATEGORIES"]
@@ -44,7 +47,6 @@ CATEGORIES = [
     ("partial", "partial", "#e11d48", "every rank holds a summand; g all-reduces it"),
 ]
 _COLOUR = {k: c for k, _, c, _ in CATEGORIES}
-_BLOCK_INDEX = re.compile(r"^\d+$")
 
 
 # --------------------------------------------------------------------------- layouts
@@ -134,24 +136,17 @@ def _signature(n: _Node):
 
 
 def _collapse(n: _Node) -> None:
+    """Draw identical consecutive blocks of every list once (``count`` > 1)."""
     for c in n.children.values():
         _collapse(c)
     keys = list(n.children)
-    if not keys or not all(_BLOCK_INDEX.match(k) for k in keys):
+    if not keys or not all(k.isdigit() for k in keys):
         return
-    runs: list[list] = []  # [first key, last index, signature, node, count]
-    for k in keys:
-        child, idx = n.children[k], int(k)
-        sig = _signature(child)
-        if runs and runs[-1][2] == sig and idx == runs[-1][1] + 1:
-            runs[-1][1] = idx
-            runs[-1][4] += 1
-        else:
-            runs.append([idx, idx, sig, child, 1])
     out = OrderedDict()
-    for first, last, _, child, count in runs:
-        child.first, child.last, child.count, child.listname = first, last, count, n.name
-        out[str(first)] = child
+    for run in blocks.runs((int(k), _signature(n.children[k]), n.children[k]) for k in keys):
+        child = run.item
+        child.first, child.last, child.count, child.listname = run.first, run.last, run.count, n.name
+        out[str(run.first)] = child
     n.children = out
 
 
@@ -544,7 +539,7 @@ class _Page:
         data = data.replace("</", "<\\/").replace("<!--", "<\\!--")
         return _TEMPLATE.format(
             title=_e(f"shardplan: {plan.model} at tp={plan.tp}"),
-            css=_CSS, js=_JS, data=data,
+            css=_static("html.css"), js=_static("html.js"), data=data,
             model=_e(plan.model), tp=plan.tp, rules=_e(plan.rules), tokens=plan.tokens,
             nparams=len(plan.params), ncoll=len(plan.collectives), ndec=len(plan.decisions),
             schema=plan.schema_version, repeated=repeated,
@@ -558,6 +553,11 @@ def render_html(plan) -> str:
 
 
 # --------------------------------------------------------------------------- static parts
+
+def _static(name: str) -> str:
+    """A package data file beside this module (``html.css``, ``html.js``), inlined in the page."""
+    return resources.files(__package__).joinpath(name).read_text(encoding="utf-8")
+
 
 _TEMPLATE = """<!DOCTYPE html>
 <html lang="en">
@@ -597,215 +597,4 @@ window.onerror = function (msg, src, line, col) {{
 <script>{js}</script>
 </body>
 </html>
-"""
-
-_CSS = """
-*{box-sizing:border-box}
-:root{--ink:#0f172a;--muted:#64748b;--line:#e2e8f0;--bg:#f8fafc;--card:#fff;
- --mono:ui-monospace,SFMono-Regular,Menlo,Consolas,"DejaVu Sans Mono","Liberation Mono",monospace}
-html,body{margin:0;background:var(--bg);color:var(--ink);
- font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,"DejaVu Sans","Liberation Sans",Arial,sans-serif}
-header.top{padding:18px 28px 14px;background:#0f172a;color:#e2e8f0}
-header.top .brand{font:600 11px/1 var(--mono);letter-spacing:.18em;text-transform:uppercase;color:#94a3b8}
-header.top h1{margin:6px 0 4px;font-size:24px;color:#fff;font-weight:650}
-header.top h1 .at{color:#93c5fd;font-weight:500}
-header.top .meta{color:#cbd5e1;font-size:13px}
-header.top .meta b{color:#fff}
-.tag{display:inline-block;margin-left:6px;padding:1px 8px;border-radius:10px;background:#1e293b;
- color:#cbd5e1;font-size:12px}
-main{padding:16px 28px 40px;max-width:1500px}
-h2{font-size:13px;text-transform:uppercase;letter-spacing:.06em;color:var(--muted);margin:0 0 8px;font-weight:650}
-.muted{color:var(--muted)}.small{font-size:12px}
-.warnings{border-radius:8px;padding:10px 14px;margin-bottom:14px;font-size:13px}
-.warnings.ok{background:#ecfdf5;border:1px solid #a7f3d0;color:#065f46}
-.warnings.bad{background:#fffbeb;border:1px solid #fcd34d;color:#78350f}
-.warnings.bad h2{color:#b45309}
-.warnings ul{margin:0;padding-left:18px}.warnings li{margin:2px 0;font-family:var(--mono);font-size:12px}
-.cards{display:grid;grid-template-columns:minmax(320px,1fr) minmax(380px,1.2fr);gap:14px;margin-bottom:12px}
-.card{background:var(--card);border:1px solid var(--line);border-radius:10px;padding:14px 16px;
- box-shadow:0 1px 2px rgba(15,23,42,.04)}
-.big{font-size:22px;font-weight:650;margin-bottom:10px}.big .muted{font-size:14px;font-weight:400}
-.membar{display:flex;height:22px;border-radius:6px;overflow:hidden;border:1px solid #cbd5e1;background:#fff}
-.membar .seg{height:100%}
-.membar .seg.saved,.savedkey{background:repeating-linear-gradient(135deg,#f1f5f9 0 6px,#e2e8f0 6px 12px)}
-.memscale{display:flex;justify-content:space-between;font-size:11px;color:var(--muted);margin-top:3px}
-.memkeys{display:flex;flex-wrap:wrap;gap:4px 14px;margin-top:8px;font-size:12px}
-.memkey i,.savedkey{display:inline-block;width:10px;height:10px;border-radius:2px;margin-right:5px;vertical-align:-1px}
-table.comm{border-collapse:collapse;width:100%;font-size:13px;margin-top:6px}
-table.comm th{text-align:left;font-weight:600;color:var(--muted);font-size:12px;border-bottom:1px solid var(--line);padding:4px 6px}
-table.comm td{padding:4px 6px;border-bottom:1px solid #f1f5f9}
-table.comm tfoot td{font-weight:650;border:0}
-.num{text-align:right;font-variant-numeric:tabular-nums}
-.cpill{display:inline-block;min-width:22px;text-align:center;padding:0 7px;border-radius:10px;
- font:600 11px/18px var(--mono);color:#fff;background:#0d9488}
-.cpill.g{background:#e11d48}.cpill.gather_output{background:#7c3aed}.cpill.vocab_loss{background:#6d28d9}
-.cpill.replica_grad{background:#0369a1}
-.legend{display:flex;flex-wrap:wrap;align-items:center;gap:6px 8px;margin:4px 0 12px;padding:8px 12px;
- background:var(--card);border:1px solid var(--line);border-radius:10px}
-.legend-title{font-size:11px;text-transform:uppercase;letter-spacing:.06em;color:var(--muted);margin:0 4px 0 8px;font-weight:650}
-.legend-title:first-child{margin-left:0}
-.legend-item{display:inline-flex;align-items:center;gap:6px;border:1px solid var(--line);background:#fff;
- border-radius:14px;padding:2px 10px 2px 6px;font:inherit;font-size:13px;color:var(--ink);cursor:pointer}
-.legend-item.static{cursor:default}
-.legend-item i{width:12px;height:12px;border-radius:3px;display:inline-block}
-.legend-item.active{outline:2px solid var(--ink)}
-.layout{display:grid;grid-template-columns:minmax(0,1fr) 360px;gap:14px;align-items:start}
-.blocks{display:flex;flex-direction:column;gap:6px}
-.mod{border:1px solid var(--line);border-radius:10px;background:var(--card);padding:8px 10px 10px;
- display:flex;flex-direction:column;gap:6px}
-.mod .mod{background:#fbfdff;border-style:solid;border-color:#e8edf3}
-.mod.repeated{border:1.5px solid #94a3b8;box-shadow:4px 4px 0 -1px #fff,4px 4px 0 0 #cbd5e1,
- 8px 8px 0 -1px #fff,8px 8px 0 0 #e2e8f0;margin-right:8px;margin-bottom:8px}
-.modtitle{display:flex;align-items:baseline;gap:8px;font-weight:650;font-size:13px}
-.modtitle .name{font-family:var(--mono)}
-.modtitle .path{font:400 11px var(--mono);margin-left:auto}
-.times{background:#0f172a;color:#fff;border-radius:10px;padding:0 8px;font:600 12px/18px var(--mono)}
-.row{display:grid;grid-template-columns:190px 1fr;gap:10px;align-items:center;border-radius:8px;
- padding:5px 8px;border:1px solid #eef2f7;border-left:4px solid #94a3b8;background:#fff;cursor:pointer}
-.row:hover,.row:focus,.comm-point:hover,.comm-point:focus{outline:2px solid #93c5fd;outline-offset:1px}
-.row.selected,.comm-point.selected{outline:2px solid #2563eb}
-.row.cat-column{border-left-color:#3b82f6}.row.cat-row{border-left-color:#f59e0b}
-.row.cat-vocab{border-left-color:#8b5cf6}.row.cat-partial{border-left-color:#e11d48}
-.rowhead{display:flex;flex-direction:column;gap:2px;min-width:0}
-.rname{font:600 13px var(--mono);overflow:hidden;text-overflow:ellipsis;white-space:nowrap}
-.role{align-self:flex-start;color:#fff;font-size:11px;border-radius:4px;padding:0 6px;line-height:17px}
-.chips{display:flex;flex-wrap:wrap;gap:6px;align-items:center}
-.chip{display:inline-flex;align-items:center;gap:6px;border:1px solid var(--line);border-radius:7px;
- padding:3px 8px 3px 4px;background:#fff;font-size:12px}
-.chip .glyph{flex:none}
-.chip .pname{font:600 12px var(--mono)}
-.chip sup{font-size:9px;color:#7c3aed;margin-left:2px}
-.chip .lay{font:600 12px var(--mono)}
-.chip .shape{font:11px var(--mono);color:var(--muted)}
-.chip.out{border-style:dashed;padding-left:8px}
-.chip.out .arrow{color:var(--muted)}
-.comm-point{display:flex;align-items:center;gap:8px;font-size:12px;padding:1px 4px;cursor:pointer;border-radius:6px}
-.comm-point .line{flex:1;height:0;border-top:2px dashed #99f6e4}
-.comm-point.g .line{border-top-color:#fecdd3}
-.comm-point .ctext{font-family:var(--mono);white-space:nowrap}
-.comm-point .place{font-size:11px;white-space:nowrap}
-.dim{opacity:.22}
-.details{position:sticky;top:12px;background:var(--card);border:1px solid var(--line);border-radius:10px;
- padding:14px 16px;max-height:calc(100vh - 24px);overflow:auto;font-size:13px}
-.details .placeholder{color:var(--muted)}
-.details h3{margin:0 0 4px;font:650 14px var(--mono);word-break:break-all}
-.details h4{margin:12px 0 4px;font-size:11px;text-transform:uppercase;letter-spacing:.06em;color:var(--muted)}
-.details .kv{display:grid;grid-template-columns:70px 1fr;gap:2px 8px;margin:4px 0}
-.details .kv dt{color:var(--muted)}.details .kv dd{margin:0;word-break:break-word}
-.details code,.details .src{font-family:var(--mono);font-size:12px}
-.details .src{background:#f1f5f9;border-radius:6px;padding:6px 8px;white-space:pre-wrap;word-break:break-all;display:block}
-.details .item{border-top:1px solid #f1f5f9;padding:6px 0}
-.badge{display:inline-block;color:#fff;border-radius:4px;padding:0 6px;font-size:11px;line-height:17px}
-#js-error{position:fixed;bottom:0;left:0;right:0;background:#b91c1c;color:#fff;padding:8px 14px;font:13px var(--mono)}
-@media (max-width:1000px){.cards,.layout{grid-template-columns:1fr}.details{position:static}}
-"""
-
-_JS = r"""
-(function () {
-  "use strict";
-  var data = JSON.parse(document.getElementById("plan-data").textContent);
-  var panel = document.getElementById("details");
-  var colours = data.colours;
-  colours.comm = "#0d9488";
-
-  function el(tag, cls, text) {
-    var e = document.createElement(tag);
-    if (cls) e.className = cls;
-    if (text !== undefined && text !== null) e.textContent = String(text);
-    return e;
-  }
-  function kv(parent, pairs) {
-    var dl = el("dl", "kv");
-    pairs.forEach(function (p) {
-      if (p[1] === undefined || p[1] === null || p[1] === "") return;
-      dl.appendChild(el("dt", null, p[0]));
-      var dd = el("dd");
-      if (p[2]) { dd.appendChild(el("code", null, p[1])); } else { dd.textContent = String(p[1]); }
-      dl.appendChild(dd);
-    });
-    parent.appendChild(dl);
-  }
-  function shape(s) { return "(" + s.join(", ") + (s.length === 1 ? ",)" : ")"); }
-
-  function show(id, source) {
-    var d = data.details[id];
-    if (!d) return;
-    document.querySelectorAll(".selected").forEach(function (x) { x.classList.remove("selected"); });
-    if (source) source.classList.add("selected");
-    panel.textContent = "";
-    var card = el("div", "detail-card");
-    card.setAttribute("data-detail", id);
-    var badge = el("span", "badge", d.category === "comm" ? "communication" : d.category);
-    badge.style.background = colours[d.category] || "#64748b";
-    card.appendChild(badge);
-    card.appendChild(el("h3", null, d.title));
-    if (d.count > 1) card.appendChild(el("div", "muted", "stands for " + d.count + " identical modules"));
-    if (d.note) card.appendChild(el("p", null, d.note));
-    if (d.decisions.length) {
-      card.appendChild(el("h4", null, "decision" + (d.decisions.length > 1 ? "s" : "")));
-      d.decisions.forEach(function (x) {
-        var it = el("div", "item");
-        kv(it, [["role", x.role], ["output", x.layout + " — " + x.layout_words], ["rule", x.rule],
-                ["node", x.node, true], ["from", (x.evidence || []).join(", "), true]]);
-        if (x.source) it.appendChild(el("span", "src", x.source));
-        card.appendChild(it);
-      });
-    } else if (d.category !== "comm") {
-      card.appendChild(el("p", "muted", "No decision here: the module runs replicated."));
-    }
-    if (d.params.length) {
-      card.appendChild(el("h4", null, "parameters"));
-      d.params.forEach(function (p) {
-        var it = el("div", "item");
-        var head = el("div");
-        var b = el("span", "badge", p.layout);
-        b.style.background = colours[p.category];
-        head.appendChild(el("code", null, p.name + " "));
-        head.appendChild(b);
-        it.appendChild(head);
-        kv(it, [["layout", p.layout_words], ["shape", shape(p.global) + " → " + shape(p.local) + " per rank"],
-                ["bytes", p.bytes + " per rank (" + p.dtype + ")"], ["tied to", p.tied_to, true],
-                ["rule", p.rule]]);
-        card.appendChild(it);
-      });
-    }
-    if (d.collectives.length) {
-      card.appendChild(el("h4", null, "communication"));
-      d.collectives.forEach(function (c) {
-        var it = el("div", "item");
-        kv(it, [["what", c.purpose + ": " + c.kind + ", " + c.direction],
-                ["size", c.elements.toLocaleString() + " elements, " + c.bytes], ["node", c.node, true]]);
-        if (c.source) it.appendChild(el("span", "src", c.source));
-        card.appendChild(it);
-      });
-    }
-    panel.appendChild(card);
-  }
-
-  document.querySelectorAll("[data-detail]").forEach(function (node) {
-    node.addEventListener("click", function (ev) { ev.stopPropagation(); show(node.getAttribute("data-detail"), node); });
-    node.addEventListener("keydown", function (ev) {
-      if (ev.key === "Enter" || ev.key === " ") { ev.preventDefault(); show(node.getAttribute("data-detail"), node); }
-    });
-  });
-
-  var active = null;
-  document.querySelectorAll(".legend-item[data-cat]").forEach(function (btn) {
-    btn.addEventListener("click", function () {
-      var cat = btn.getAttribute("data-cat");
-      active = active === cat ? null : cat;
-      document.querySelectorAll(".legend-item[data-cat]").forEach(function (b) {
-        b.classList.toggle("active", b.getAttribute("data-cat") === active);
-      });
-      document.querySelectorAll(".chip[data-cat]").forEach(function (c) {
-        c.classList.toggle("dim", active !== null && c.getAttribute("data-cat") !== active);
-      });
-    });
-  });
-
-  // open with the first split decision selected, so the panel shows what a click gives
-  var first = document.querySelector(".row.cat-column[data-detail]") || document.querySelector(".row[data-detail]");
-  if (first) show(first.getAttribute("data-detail"), first);
-  document.documentElement.setAttribute("data-rendered", "1");
-})();
 """

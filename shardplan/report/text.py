@@ -3,10 +3,9 @@ per-block tables with identical blocks collapsed."""
 
 from __future__ import annotations
 
-import re
-from collections import Counter, OrderedDict
+from collections import Counter
 
-_BLOCK = re.compile(r"^(.*?)\.(\d+)\.(.*)$")
+from ..planner import blocks
 
 
 def human(n: float) -> str:
@@ -49,30 +48,20 @@ def render_text(plan, width: int = 100) -> str:
 
 def _collapse(params):
     """(title, rows) groups: one per top-level item, consecutive identical blocks merged."""
-    blocks: OrderedDict = OrderedDict()
+    groups: dict = {}
     for p in params:
-        m = _BLOCK.match(p.name)
-        if m:
-            key, idx, rest = m.group(1), int(m.group(2)), m.group(3)
-        else:
-            key, idx, rest = "", -1, p.name
-        blocks.setdefault((key, idx), []).append(
+        key, idx, rest = blocks.split_first(p.name) or ("", -1, p.name)
+        groups.setdefault((key, idx), []).append(
             (rest, p.layout, tuple(p.global_shape), tuple(p.local_shape)))
-    out, prev = [], None
-    for (key, idx), rows in blocks.items():
-        if prev and prev[0] == key and prev[3] == rows and idx == prev[2] + 1:
-            prev[2] = idx
-            continue
-        prev = [key, idx, idx, rows]
-        out.append(prev)
     result = []
-    for key, first, last, rows in out:
-        if first < 0:
+    for run in blocks.runs((idx, (key, rows), (key, rows)) for (key, idx), rows in groups.items()):
+        key, rows = run.item
+        if run.first < 0:
             title = "(top level)"
-        elif first == last:
-            title = f"{key}.{first}"
+        elif run.count == 1:
+            title = f"{key}.{run.first}"
         else:
-            title = f"{key}.{first}-{last} ({last - first + 1} identical blocks)"
+            title = f"{key}.{run.first}-{run.last} ({run.count} identical blocks)"
         result.append((title, rows))
     return result
 

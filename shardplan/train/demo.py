@@ -11,15 +11,15 @@
    1.0 that counts replicated gradients once, gradients averaged over the dp
    replicas) on the public-domain corpus bundled in ``shardplan.data``, one
    step at a time behind a progress line;
-3. trains the unsharded model on the same batches in this process (the same
-   optimizer, schedule and clipping from ``shardplan.train.optim``) and compares
-   the two loss curves step by step;
-4. writes ``loss.png``, ``plan.json``, ``summary.md`` and ``summary.json``
-   into the output folder.
+3. trains the unsharded model on the same batches in this process with the
+   ranks' own step (``trainer.training_step``: the same optimizer, schedule
+   and clipping) and compares the two loss curves step by step;
+4. writes ``loss.png`` (both curves and the verdict, with matplotlib:
+   ``shardplan.train.plot``), ``plan.json``, ``summary.md`` and
+   ``summary.json`` into the output folder.
 
 Exit status 0 when the curves agree within fp32 tolerance, 1 when not, 2 for
-bad options. Nothing here needs matplotlib or tqdm: the progress line and the
-PNG (``write_png``, ``plot_curves``) are written by hand.
+bad options.
 """
 
 from __future__ import annotations
@@ -27,12 +27,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
-import struct
 import sys
 import time
-import zlib
 from dataclasses import asdict, dataclass
 
 import torch
@@ -43,7 +40,6 @@ SIZES = {
     "small": dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128),
 }
 CORPUS = "corpus.txt"  # in the shardplan.data package
-PLOT_SIZE = (800, 480)
 #: Two fp32 runs of the same math, summed in different orders, agree to rounding
 #: (~1e-6) at first; training can amplify that later (Adam, a loss spike), so
 #: a step's |sharded - unsharded| must be within ATOL + RTOL * |unsharded| with
@@ -188,13 +184,14 @@ def _train_sharded(cfg: DemoConfig, tc, ranks, times: dict) -> list[tuple[float,
 
 
 def _train_unsharded(cfg: DemoConfig, tc, model, times: dict) -> list[tuple[float, float]]:
-    """The plain model in this process, on one thread like each rank (intra-op threads
-    on a busy machine can be many times slower than one): what ``Trainer.train_step``
-    does, without parallelism."""
-    from .optim import build_optimizer, clip_grad_norm_, lr_schedule
-    from .trainer import TokenData
+    """The plain model in this process, each step by ``training_step`` as on every rank,
+    on the global batch; on one thread like each rank (intra-op threads on a busy
+    machine can be many times slower than one)."""
+    from .optim import TPGradScaler, build_optimizer
+    from .trainer import TokenData, training_step
     data = TokenData(tc.data, seq_len=tc.seq_len, batch_size=cfg.batch, dp=1, seed=tc.seed)
     opt = build_optimizer(model, tc.lr, weight_decay=tc.weight_decay)
+    scaler = TPGradScaler("cpu", enabled=False)  # the demo trains in fp32
     bar = Progress(cfg.steps, "unsharded")
     curve, t_train = [], 0.0
     threads = torch.get_num_threads()
@@ -203,16 +200,9 @@ def _train_unsharded(cfg: DemoConfig, tc, model, times: dict) -> list[tuple[floa
     try:
         for step in range(cfg.steps):
             t0 = time.perf_counter()
-            for group in opt.param_groups:
-                group["lr"] = lr_schedule(step, lr=tc.lr, warmup=tc.warmup, total=tc.steps,
-                                          min_lr=tc.floor_lr)
-            x, y = data.global_batch(step)  # every replica's rows, in order
-            opt.zero_grad(set_to_none=True)
-            _, loss = model(x, y)
-            loss.backward()
-            norm = clip_grad_norm_(model, tc.clip)
-            opt.step()
-            curve.append((loss.item(), norm.item()))
+            done = training_step(model, opt, scaler, data.batch(step, 0), config=tc,
+                                 lr=tc.lr_at(step))
+            curve.append((done.loss.item(), done.norm.item()))
             t_train += time.perf_counter() - t0
             bar.update(step + 1, curve[-1][0], (step + 1) * cfg.batch * cfg.block / t_train)
     finally:
@@ -261,8 +251,10 @@ def run(cfg: DemoConfig) -> int:
 def _run(cfg: DemoConfig, data: str) -> int:
     import shardplan
     from ..ranks import RealRanks
+    from . import plot
     from .trainer import TokenData, build_model
     check(cfg)
+    plot.pyplot()  # without matplotlib, fail now rather than after training
     t_start = time.perf_counter()
     os.makedirs(cfg.out, exist_ok=True)
     tc = train_config(cfg, data)
@@ -297,13 +289,12 @@ def _run(cfg: DemoConfig, data: str) -> int:
     tokens = cfg.batch * cfg.block
     files = {name: os.path.join(cfg.out, name)
              for name in ("loss.png", "plan.json", "summary.json", "summary.md")}
-    width, height = PLOT_SIZE
-    plot_curves(files["loss.png"], [("unsharded", b, (240, 150, 40), 5),
-                                    (f"tp={cfg.tp} dp={cfg.dp} ({world} gloo processes)",
-                                     a, (30, 70, 200), 1)],
-                title=f"shardplan demo: GPT {cfg.size}, training loss",
-                note=f"max |Δloss| {max(diffs):.1e}: {'match' if ok else 'DISAGREE'}",
-                xlabel="step", ylabel="loss", size=PLOT_SIZE)
+    plot.save_png(plot.loss_figure(
+        [plot.Curve("unsharded", b, "tab:orange", 5.0),
+         plot.Curve(f"tp={cfg.tp} dp={cfg.dp} ({world} gloo processes)", a, "tab:blue", 1.5)],
+        title=f"shardplan demo: GPT {cfg.size}, training loss",
+        verdict=f"max |Δloss| {max(diffs):.1e}: {'match' if ok else 'DISAGREE'}"),
+        files["loss.png"])
     with open(files["plan.json"], "w") as f:
         f.write(plan.to_json())
     times["total"] = time.perf_counter() - t_start
@@ -326,7 +317,7 @@ def _run(cfg: DemoConfig, data: str) -> int:
                  "collectives_per_step": len(plan.collectives),
                  "comm_bytes_per_step": sum(c.bytes for c in plan.collectives),
                  "warnings": len(plan.warnings)},
-        "plot": {"file": "loss.png", "width": width, "height": height},
+        "plot": {"file": "loss.png", "width": plot.SIZE[0], "height": plot.SIZE[1]},
     }
     with open(files["summary.json"], "w") as f:
         json.dump(summary, f, indent=2)
@@ -384,225 +375,11 @@ Files: `loss.png` (both curves), `plan.json` (load with `shardplan.Plan.from_jso
 """
 
 
-# -- PNG, by hand ---------------------------------------------------------
-
-def write_png(path: str, width: int, height: int, rgb: bytes | bytearray) -> None:
-    """Write 8-bit RGB pixels (row-major, ``3 * width * height`` bytes) as a PNG."""
-    if len(rgb) != 3 * width * height:
-        raise ValueError(f"expected {3 * width * height} bytes of RGB, got {len(rgb)}")
-    stride = 3 * width
-    raw = b"".join(b"\x00" + bytes(rgb[y * stride:(y + 1) * stride]) for y in range(height))
-
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        return (struct.pack(">I", len(body)) + kind + body
-                + struct.pack(">I", zlib.crc32(kind + body) & 0xFFFFFFFF))
-
-    with open(path, "wb") as f:
-        f.write(b"\x89PNG\r\n\x1a\n"
-                + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
-                + chunk(b"IDAT", zlib.compress(raw, 9))
-                + chunk(b"IEND", b""))
-
-
-_GLYPHS = {  # 5x7 bitmaps: 7 rows of 5 pixels, '#' is ink
-    "0": ".###. #...# #..## #.#.# ##..# #...# .###.",
-    "1": "..#.. .##.. ..#.. ..#.. ..#.. ..#.. .###.",
-    "2": ".###. #...# ....# ...#. ..#.. .#... #####",
-    "3": "##### ...#. ..#.. ...#. ....# #...# .###.",
-    "4": "...#. ..##. .#.#. #..#. ##### ...#. ...#.",
-    "5": "##### #.... ####. ....# ....# #...# .###.",
-    "6": "..##. .#... #.... ####. #...# #...# .###.",
-    "7": "##### ....# ...#. ..#.. .#... .#... .#...",
-    "8": ".###. #...# #...# .###. #...# #...# .###.",
-    "9": ".###. #...# #...# .#### ....# ...#. .##..",
-    "A": ".###. #...# #...# ##### #...# #...# #...#",
-    "B": "####. #...# #...# ####. #...# #...# ####.",
-    "C": ".###. #...# #.... #.... #.... #...# .###.",
-    "D": "###.. #..#. #...# #...# #...# #..#. ###..",
-    "E": "##### #.... #.... ####. #.... #.... #####",
-    "F": "##### #.... #.... ####. #.... #.... #....",
-    "G": ".###. #...# #.... #.### #...# #...# .####",
-    "H": "#...# #...# #...# ##### #...# #...# #...#",
-    "I": ".###. ..#.. ..#.. ..#.. ..#.. ..#.. .###.",
-    "J": "..### ...#. ...#. ...#. ...#. #..#. .##..",
-    "K": "#...# #..#. #.#.. ##... #.#.. #..#. #...#",
-    "L": "#.... #.... #.... #.... #.... #.... #####",
-    "M": "#...# ##.## #.#.# #.#.# #...# #...# #...#",
-    "N": "#...# #...# ##..# #.#.# #..## #...# #...#",
-    "O": ".###. #...# #...# #...# #...# #...# .###.",
-    "P": "####. #...# #...# ####. #.... #.... #....",
-    "Q": ".###. #...# #...# #...# #.#.# #..#. .##.#",
-    "R": "####. #...# #...# ####. #.#.. #..#. #...#",
-    "S": ".#### #.... #.... .###. ....# ....# ####.",
-    "T": "##### ..#.. ..#.. ..#.. ..#.. ..#.. ..#..",
-    "U": "#...# #...# #...# #...# #...# #...# .###.",
-    "V": "#...# #...# #...# #...# #...# .#.#. ..#..",
-    "W": "#...# #...# #...# #.#.# #.#.# #.#.# .#.#.",
-    "X": "#...# #...# .#.#. ..#.. .#.#. #...# #...#",
-    "Y": "#...# #...# .#.#. ..#.. ..#.. ..#.. ..#..",
-    "Z": "##### ....# ...#. ..#.. .#... #.... #####",
-    ".": "..... ..... ..... ..... ..... .##.. .##..",
-    ",": "..... ..... ..... ..... .##.. ..#.. .#...",
-    "-": "..... ..... ..... ##### ..... ..... .....",
-    "=": "..... ..... ##### ..... ##### ..... .....",
-    ":": "..... .##.. .##.. ..... .##.. .##.. .....",
-    "|": "..#.. ..#.. ..#.. ..#.. ..#.. ..#.. ..#..",
-    "(": "...#. ..#.. .#... .#... .#... ..#.. ...#.",
-    ")": ".#... ..#.. ...#. ...#. ...#. ..#.. .#...",
-    "/": "..... ....# ...#. ..#.. .#... #.... .....",
-    "+": "..... ..#.. ..#.. ##### ..#.. ..#.. .....",
-    "%": "##... ##..# ...#. ..#.. .#... #..## ...##",
-    "Δ": "..#.. ..#.. .#.#. .#.#. #...# #...# #####",
-    " ": "..... ..... ..... ..... ..... ..... .....",
-}
-
-
-class Canvas:
-    """An RGB pixel buffer with lines, rectangles and 5x7 text."""
-
-    def __init__(self, width: int, height: int, background=(255, 255, 255)):
-        self.width, self.height = width, height
-        self.px = bytearray(bytes(background) * (width * height))
-
-    def dot(self, x: int, y: int, color) -> None:
-        if 0 <= x < self.width and 0 <= y < self.height:
-            i = 3 * (y * self.width + x)
-            self.px[i:i + 3] = bytes(color)
-
-    def rect(self, x0: int, y0: int, x1: int, y1: int, color) -> None:
-        """Filled, corners inclusive."""
-        for y in range(max(0, min(y0, y1)), min(self.height, max(y0, y1) + 1)):
-            for x in range(max(0, min(x0, x1)), min(self.width, max(x0, x1) + 1)):
-                self.dot(x, y, color)
-
-    def line(self, x0: float, y0: float, x1: float, y1: float, color, width: int = 1) -> None:
-        """A straight line, ``width`` pixels thick (square pen)."""
-        x0, y0, x1, y1 = round(x0), round(y0), round(x1), round(y1)
-        dx, dy = abs(x1 - x0), -abs(y1 - y0)
-        sx, sy = (1 if x0 < x1 else -1), (1 if y0 < y1 else -1)
-        err, lo, hi = dx + dy, -((width - 1) // 2), width // 2
-        while True:
-            if width == 1:
-                self.dot(x0, y0, color)
-            else:
-                self.rect(x0 + lo, y0 + lo, x0 + hi, y0 + hi, color)
-            if x0 == x1 and y0 == y1:
-                return
-            e2 = 2 * err
-            if e2 >= dy:
-                err, x0 = err + dy, x0 + sx
-            if e2 <= dx:
-                err, y0 = err + dx, y0 + sy
-
-    def text(self, x: int, y: int, s: str, color, scale: int = 2) -> None:
-        """``s`` with its top-left at (x, y); letters are drawn as capitals."""
-        for ch in s.upper():
-            glyph = _GLYPHS.get(ch, _GLYPHS[" "]).replace(" ", "")
-            for i, bit in enumerate(glyph):
-                if bit == "#":
-                    r, c = divmod(i, 5)
-                    self.rect(x + c * scale, y + r * scale,
-                              x + c * scale + scale - 1, y + r * scale + scale - 1, color)
-            x += 6 * scale
-
-    @staticmethod
-    def text_width(s: str, scale: int = 2) -> int:
-        return 6 * scale * len(s) - scale
-
-    def text_up(self, x: int, y: int, s: str, color, scale: int = 2) -> None:
-        """``s`` rotated a quarter turn counter-clockwise, its bottom-left at (x, y)."""
-        tmp = Canvas(self.text_width(s, scale), 7 * scale, (0, 0, 0))
-        tmp.text(0, 0, s, (255, 255, 255), scale)
-        for ty in range(tmp.height):
-            for tx in range(tmp.width):
-                if tmp.px[3 * (ty * tmp.width + tx)]:
-                    self.dot(x + ty, y - tx, color)
-
-    def save(self, path: str) -> None:
-        write_png(path, self.width, self.height, self.px)
-
-
-def nice_ticks(lo: float, hi: float, target: int = 6) -> list[float]:
-    """Round tick values (1, 2, 5 x 10^k apart) covering [lo, hi]."""
-    if not (math.isfinite(lo) and math.isfinite(hi)):
-        return [0.0, 1.0]
-    if hi <= lo:
-        lo, hi = lo - 0.5, hi + 0.5
-    raw = (hi - lo) / max(1, target)
-    mag = 10 ** math.floor(math.log10(raw))
-    step = next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
-    first, last = math.floor(lo / step + 1e-9), math.ceil(hi / step - 1e-9)
-    return [round(k * step, 10) for k in range(first, max(last, first + 1) + 1)]
-
-
-def _fmt(v: float, step: float) -> str:
-    digits = max(0, -math.floor(math.log10(step))) if step < 1 else 0
-    return f"{v:.{digits}f}"
-
-
-def plot_curves(path: str, series, *, title: str = "", note: str = "", xlabel: str = "",
-                ylabel: str = "", size: tuple[int, int] = PLOT_SIZE) -> None:
-    """A line chart of ``series``: ``(label, ys, rgb, pen width)``, x = 1..len(ys).
-
-    ``note`` goes under the legend."""
-    width, height = size
-    cv = Canvas(width, height)
-    ink, grid, muted = (30, 30, 30), (225, 225, 225), (90, 90, 90)
-    left, right, top, bottom = 78, 30, 44, 56
-    x0, x1, y0, y1 = left, width - right, top, height - bottom  # plot box; y0 on top
-    n = max(len(ys) for _, ys, _, _ in series)
-    values = [v for _, ys, _, _ in series for v in ys if math.isfinite(v)] or [0.0, 1.0]
-    yt = nice_ticks(min(values), max(values))
-    ylo, yhi = yt[0], yt[-1]
-    xlo, xhi = 0.0, float(max(n, 1))
-    xt = [t for t in nice_ticks(0, xhi, 8) if 0 <= t <= xhi]
-
-    def px(step: float) -> float:
-        return x0 + (step - xlo) / (xhi - xlo) * (x1 - x0)
-
-    def py(v: float) -> float:
-        return y1 - (v - ylo) / ((yhi - ylo) or 1.0) * (y1 - y0)
-
-    for t in yt:
-        y = round(py(t))
-        cv.line(x0, y, x1, y, grid)
-        cv.line(x0 - 6, y, x0, y, ink)
-        label = _fmt(t, yt[1] - yt[0] if len(yt) > 1 else 1.0)
-        cv.text(x0 - 10 - cv.text_width(label), y - 7, label, ink)
-    for t in xt:
-        x = round(px(t))
-        cv.line(x, y0, x, y1, grid)
-        cv.line(x, y1, x, y1 + 6, ink)
-        label = _fmt(t, 1.0)
-        cv.text(x - cv.text_width(label) // 2, y1 + 12, label, ink)
-    cv.line(x0, y0, x0, y1, ink)
-    cv.line(x0, y1, x1, y1, ink)
-    for label, ys, color, pen in series:
-        pts = [(px(i + 1), py(v)) for i, v in enumerate(ys) if math.isfinite(v)]
-        for (ax, ay), (bx, by) in zip(pts, pts[1:]):
-            cv.line(ax, ay, bx, by, color, pen)
-        if len(pts) == 1:
-            cv.rect(round(pts[0][0]) - 2, round(pts[0][1]) - 2,
-                    round(pts[0][0]) + 2, round(pts[0][1]) + 2, color)
-    # legend, top right inside the box
-    lw = max(cv.text_width(s) for s in [label for label, *_ in series] + [note]) + 56
-    lx, ly = x1 - lw - 10, y0 + 10
-    rows = len(series) + bool(note)
-    cv.rect(lx, ly, lx + lw, ly + 10 + 24 * rows, (200, 200, 200))
-    cv.rect(lx + 1, ly + 1, lx + lw - 1, ly + 9 + 24 * rows, (255, 255, 255))
-    for i, (label, _, color, pen) in enumerate(series):
-        yy = ly + 12 + 24 * i
-        cv.line(lx + 8, yy + 6, lx + 40, yy + 6, color, max(pen, 2))
-        cv.text(lx + 48, yy, label, ink)
-    if note:
-        cv.text(lx + 48, ly + 12 + 24 * len(series), note, muted)
-    cv.text(max(4, (width - cv.text_width(title)) // 2), 14, title, ink)
-    cv.text((x0 + x1 - cv.text_width(xlabel)) // 2, height - 22, xlabel, muted)
-    cv.text_up(12, (y0 + y1 + cv.text_width(ylabel)) // 2, ylabel, muted)
-    cv.save(path)
-
-
 # -- command line ---------------------------------------------------------
+
+DESCRIPTION = ("train the bundled GPT on text at tp=2 on gloo, check it matches unsharded, "
+               "write a loss plot and summary")
+
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     d = DemoConfig()
@@ -629,8 +406,14 @@ def config_from_args(args) -> DemoConfig:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m shardplan.train.demo ...`` = ``shardplan demo ...`` (same options and errors)."""
-    from ..cli import main as cli_main
-    return cli_main(["demo", *(sys.argv[1:] if argv is None else argv)])
+    from ..errors import ShardplanError
+    ap = argparse.ArgumentParser(prog="python -m shardplan.train.demo", description=DESCRIPTION)
+    add_arguments(ap)
+    try:
+        return run(config_from_args(ap.parse_args(argv)))
+    except ShardplanError as e:
+        print(f"shardplan: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -51,15 +51,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import importlib
 import math
 import os
 import re
 import socket
 import sys
 import time
+import typing
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -69,48 +69,65 @@ import torch.nn as nn
 
 from .. import checkpoint
 from ..api import parallelize
-from ..runtime.consistency import assert_same_across, check_replicas
+from ..models.factory import call_factory, import_factory
+from ..runtime.consistency import agree, assert_same_across, check_replicas
+from ..runtime.comm import TorchGroup
 from ..errors import CommunicationError, ConfigurationError
 from .optim import (TPGradScaler, average_gradients, build_optimizer, clip_grad_norm_,
                     lr_schedule)
 from ..parallel_dims import ParallelDims
 from ..runtime.random import MODEL_PARALLEL, REPLICATED, manual_seed
 
-__all__ = ["TrainConfig", "Trainer", "TokenData", "build_model", "train", "main",
-           "parse_args", "VOCAB"]
+__all__ = ["TrainConfig", "Trainer", "TokenData", "build_model", "training_step", "train",
+           "main", "parse_args", "VOCAB"]
 
 VOCAB = 256  # byte tokens
 FORMAT = "shardplan.train/1"
 SYNTHETIC_BYTES = 1 << 16
 
 
+def option(default, help: str, **argparse_kwargs):
+    """A ``TrainConfig`` field: its default and its command-line help (``parse_args``
+    generates ``--field-name`` from it; ``argparse_kwargs`` go to ``add_argument``)."""
+    return field(default=default, metadata={"help": help, **argparse_kwargs})
+
+
 @dataclass
 class TrainConfig:
-    """Everything a run depends on; ``main`` fills it from the command line."""
+    """Everything a run depends on; ``parse_args`` fills it from the command line."""
 
-    model: str = "gpt-tiny"            # a bundled preset, or package.module:factory
-    tp: int | None = None              # default: world // dp (all ranks when dp is unset)
-    dp: int | None = None              # default: world // tp
-    steps: int = 100
-    batch_size: int = 8                # sequences per data-parallel replica and step
-    seq_len: int = 32
-    lr: float = 1e-3
-    warmup: int = 10
-    min_lr: float | None = None        # default: lr / 10
-    clip: float = 1.0                  # <= 0: no clipping (the norm is still logged)
-    weight_decay: float = 0.01
-    seed: int = 1234
-    data: str | None = None            # a file whose bytes are the tokens; None: synthetic
-    save: str | None = None
-    save_every: int = 0                # 0: only at the end (when save is set)
-    resume: str | None = None
-    check_replicas_every: int = 100    # 0: only at the end
-    bf16: bool = False
-    fp16: bool = False                 # float16 autocast with TP-agreed dynamic loss scaling
-    recompute: bool = False            # recompute each block's activations in backward
-    log_every: int = 10                # 0: no logging
-    dropout: float | None = None       # override a bundled preset's dropout
-    device: str | None = None          # default: cuda:LOCAL_RANK when CUDA is available, else cpu
+    model: str = option("gpt-tiny", "a bundled preset (gpt-tiny, llama-tiny, ...) or "
+                                    "package.module:factory")
+    tp: int | None = option(None, "tensor-parallel size (default: world / dp, all ranks "
+                                  "when --dp is unset)")
+    dp: int | None = option(None, "data-parallel size (default: world / tp)")
+    steps: int = option(100, "optimizer steps")
+    batch_size: int = option(8, "sequences per data-parallel replica and step")
+    seq_len: int = option(32, "tokens per sequence")
+    lr: float = option(1e-3, "peak learning rate")
+    warmup: int = option(10, "linear warm-up steps")
+    min_lr: float | None = option(None, "cosine floor (default: lr / 10)")
+    clip: float = option(1.0, "global-norm clip; <= 0: no clipping (the norm is still logged)")
+    weight_decay: float = option(0.01, "AdamW weight decay (not on 1-D parameters)")
+    seed: int = option(1234, "model, data and dropout seed")
+    data: str | None = option(None, "a file whose bytes are the tokens (default: a synthetic "
+                                    "stream)", metavar="FILE")
+    save: str | None = option(None, "checkpoint directory (step-* inside)", metavar="DIR")
+    save_every: int = option(0, "steps between checkpoints (0: only at the end)")
+    resume: str | None = option(None, "a --save directory (its newest step-*) or a checkpoint "
+                                      "directory", metavar="DIR")
+    check_replicas_every: int = option(100, "steps between replica checks (0: only at the end)")
+    bf16: bool = option(False, "bfloat16 autocast")
+    fp16: bool = option(False, "float16 autocast with dynamic loss scaling; an inf/nan "
+                               "gradient on any rank skips the step on every rank (not with "
+                               "--bf16)")
+    recompute: bool = option(False, "recompute each block's activations in backward (less "
+                                    "memory, one more forward; dropout masks are redrawn "
+                                    "identically)")
+    log_every: int = option(10, "steps between log lines (0: no logging)")
+    dropout: float | None = option(None, "override a bundled preset's dropout")
+    device: str | None = option(None, "cpu, cuda or cuda:N (default: cuda:LOCAL_RANK when "
+                                      "CUDA is available, else cpu)")
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "seq_len"):
@@ -142,6 +159,17 @@ class TrainConfig:
     @property
     def floor_lr(self) -> float:
         return self.lr / 10 if self.min_lr is None else self.min_lr
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of step ``step`` (from 0): warm-up, then cosine to ``floor_lr``."""
+        return lr_schedule(step, lr=self.lr, warmup=self.warmup, total=self.steps,
+                           min_lr=self.floor_lr)
+
+    def autocast(self, device_type: str):
+        """The autocast context of ``--bf16`` / ``--fp16``; a no-op without either."""
+        if not (self.bf16 or self.fp16):
+            return contextlib.nullcontext()
+        return torch.autocast(device_type, dtype=torch.float16 if self.fp16 else torch.bfloat16)
 
 
 # --------------------------------------------------------------------------
@@ -241,18 +269,7 @@ def build_model(config: TrainConfig) -> nn.Module:
     if ":" not in config.model:
         raise ConfigurationError(f"unknown model {config.model!r}",
                                  fix=f"use a preset ({', '.join(PRESETS)}) or package.module:factory")
-    module, _, attr = config.model.partition(":")
-    try:
-        obj = importlib.import_module(module)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as e:
-        raise ConfigurationError(f"cannot import {config.model}: {e}",
-                                 fix="give package.module:factory, importable on every rank") from e
-    model = obj()
-    if not isinstance(model, nn.Module):
-        raise ConfigurationError(f"{config.model}() returned {type(model).__name__}, "
-                                 "not a torch.nn.Module")
+    model = call_factory(config.model, import_factory(config.model))
     vocab = max((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)),
                 default=None)
     if vocab is not None and vocab < VOCAB:
@@ -332,6 +349,51 @@ def _rng_of(saved: dict) -> dict:
 # the trainer
 # --------------------------------------------------------------------------
 
+@dataclass
+class StepResult:
+    loss: torch.Tensor   # this replica's loss, detached
+    norm: torch.Tensor   # the global gradient norm before clipping
+    skipped: bool        # the optimizer did not step (non-finite gradients)
+    scale: float | None  # the loss scale the backward used (fp16 only)
+
+
+def training_step(model: nn.Module, optimizer, scaler: TPGradScaler, batch, *,
+                  config: TrainConfig, lr: float, dp_group=None) -> StepResult:
+    """One optimizer step of ``model`` on ``batch = (inputs, targets)``.
+
+    The step every run takes: each rank's ``Trainer.train_step`` (a sharded
+    model, ``dp_group`` its data-parallel replicas) and the demo's unsharded
+    reference (the plain model, no group), so the reference cannot drift from
+    what it checks. Clipping counts replicated gradients once (``optim``);
+    with fp16 an overflow on any rank skips the step on every rank; otherwise
+    a non-finite norm (the same on every rank) skips it.
+    """
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    x, y = batch
+    optimizer.zero_grad(set_to_none=True)
+    with config.autocast(x.device.type):
+        loss = loss_of(model(x, y))
+    scale = scaler.get_scale() if config.fp16 else None  # the scale this backward uses
+    scaler.scale(loss).backward()  # without fp16: loss.backward()
+    scaler.unscale_(optimizer)  # clip unscaled gradients; fp16's agreed overflow check
+    if config.clip > 0:
+        norm = clip_grad_norm_(model, config.clip, dp_group=dp_group)
+    else:
+        if dp_group is not None:
+            average_gradients(model.parameters(), dp_group)
+        norm = clip_grad_norm_(model, None)
+    if config.fp16:
+        skipped = scaler.found_inf(optimizer)
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        skipped = not bool(torch.isfinite(norm))
+        if not skipped:
+            optimizer.step()
+    return StepResult(loss.detach(), norm, skipped, scale)
+
+
 class Trainer:
     """One rank of a run: the mesh, the sharded model, the optimizer, the data.
 
@@ -373,56 +435,27 @@ class Trainer:
             self.resume(config.resume)
 
     # -- one step ----------------------------------------------------------
-    def lr_at(self, step: int) -> float:
-        c = self.config
-        return lr_schedule(step, lr=c.lr, warmup=c.warmup, total=c.steps, min_lr=c.floor_lr)
-
-    def autocast(self):
-        c = self.config
-        if not (c.bf16 or c.fp16):
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=torch.float16 if c.fp16 else torch.bfloat16)
-
     def train_step(self) -> dict:
         c, step = self.config, self.step
-        lr = self.lr_at(step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        x, y = (t.to(self.device, non_blocking=True) for t in self.data.batch(step, self.dp_rank))
-        self.optimizer.zero_grad(set_to_none=True)
-        with self.autocast():
-            loss = loss_of(self.sharded(x, y))
-        scaler = self.scaler
-        scale = scaler.get_scale() if c.fp16 else None  # the scale this step's backward uses
-        scaler.scale(loss).backward()  # without fp16: loss.backward()
-        scaler.unscale_(self.optimizer)  # clip unscaled gradients; fp16's agreed overflow check
-        if c.clip > 0:
-            norm = clip_grad_norm_(self.sharded, c.clip, dp_group=self.dp_group)
-        else:
-            average_gradients(self.sharded.parameters(), self.dp_group)
-            norm = clip_grad_norm_(self.sharded, None)
-        if c.fp16:  # an overflow on any rank: every rank skips and backs the scale off
-            skipped = scaler.found_inf(self.optimizer)
-            scaler.step(self.optimizer)
-            scaler.update()
-        else:  # the norm is all-reduced, so this is the same on every rank
-            skipped = not bool(torch.isfinite(norm))
-            if not skipped:
-                self.optimizer.step()
-        if skipped and self.rank == 0:
-            why = (f"inf/nan gradients at loss scale {scale:g}, backed off to "
-                   f"{scaler.get_scale():g}" if c.fp16 else f"gradient norm {norm.item()}")
+        lr = c.lr_at(step)
+        batch = tuple(t.to(self.device, non_blocking=True)
+                      for t in self.data.batch(step, self.dp_rank))
+        done = training_step(self.sharded, self.optimizer, self.scaler, batch, config=c, lr=lr,
+                             dp_group=self.dp_group)
+        if done.skipped and self.rank == 0:
+            why = (f"inf/nan gradients at loss scale {done.scale:g}, backed off to "
+                   f"{self.scaler.get_scale():g}" if c.fp16 else f"gradient norm {done.norm.item()}")
             print(f"shardplan.train: step {step + 1}: {why}; step skipped",
                   file=sys.stderr, flush=True)
-        mean = loss.detach().float().reshape(1)
+        mean = done.loss.float().reshape(1)
         if self.dp > 1:
             dist.all_reduce(mean, group=self.dp_group.pg)
             mean /= self.dp
         self.step += 1
-        record = {"step": self.step, "loss": mean.item(), "lr": lr, "grad_norm": norm.item(),
-                  "skipped": skipped}
+        record = {"step": self.step, "loss": mean.item(), "lr": lr,
+                  "grad_norm": done.norm.item(), "skipped": done.skipped}
         if c.fp16:
-            record["scale"] = scale
+            record["scale"] = done.scale
         self.history.append(record)
         return record
 
@@ -463,33 +496,27 @@ class Trainer:
         Collective over the world: both checks run on every rank, and if either
         fails anywhere, every rank raises (no rank is left waiting in a collective).
         """
-        errors = []
-        try:
-            check_replicas(self.sharded)
-        except CommunicationError as e:
-            errors.append(e)
-        if self.dp > 1:
-            try:
-                assert_same_across(self.dp_group, dict(self.sharded.named_parameters()),
-                                   what="data-parallel replicas drifted",
-                                   fix="every replica must average the same gradients and "
-                                       "step alike; report it with the plan")
-            except CommunicationError as e:
-                errors.append(e)
-        flags = torch.zeros(self.world, dtype=torch.int32, device=self._flag_device())
-        flags[self.rank] = 1 if errors else 0
-        dist.all_reduce(flags)
-        failed = flags.nonzero().flatten().tolist()
-        if errors:
-            raise errors[0]
-        if failed:
-            raise CommunicationError(
-                f"replicas drifted apart (found on rank{'s' * (len(failed) > 1)} "
-                f"{', '.join(map(str, failed))})",
-                fix=f"see rank {failed[0]}'s error: it names the parameter")
+        def both():  # each check is collective over its group: run both, then raise
+            first = None
+            for check in (self._check_tp_replicas, self._check_dp_replicas):
+                try:
+                    check()
+                except CommunicationError as e:
+                    first = first or e
+            if first:
+                raise first
 
-    def _flag_device(self) -> torch.device:
-        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")  # pure NCCL
+        agree(TorchGroup(), "the replica check", both)
+
+    def _check_tp_replicas(self) -> None:
+        check_replicas(self.sharded)
+
+    def _check_dp_replicas(self) -> None:
+        if self.dp > 1:
+            assert_same_across(self.dp_group, dict(self.sharded.named_parameters()),
+                               what="data-parallel replicas drifted",
+                               fix="every replica must average the same gradients and "
+                                   "step alike; report it with the plan")
 
     # -- checkpoints -------------------------------------------------------
     def extra(self) -> dict:
@@ -592,46 +619,33 @@ def train(config: TrainConfig) -> list[float]:
 # the command line
 # --------------------------------------------------------------------------
 
-def parse_args(argv: list[str] | None = None) -> TrainConfig:
-    d = TrainConfig()
+def parser() -> argparse.ArgumentParser:
+    """The command line, one ``--field-name`` per ``TrainConfig`` field (its type,
+    default and help); a bool field is a switch with its ``--no-`` form."""
     p = argparse.ArgumentParser(
         prog="torchrun --nproc-per-node N -m shardplan.train",
         description="Train a language model on byte tokens with Megatron tensor parallelism "
                     "(shardplan.parallelize) and data parallelism.")
-    p.add_argument("--model", default=d.model,
-                   help="a bundled preset (gpt-tiny, llama-tiny, ...) or package.module:factory")
-    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: world)")
-    p.add_argument("--dp", type=int, default=None, help="data-parallel size (default: world/tp)")
-    p.add_argument("--steps", type=int, default=d.steps)
-    p.add_argument("--batch-size", type=int, default=d.batch_size,
-                   help="sequences per data-parallel replica and step")
-    p.add_argument("--seq-len", type=int, default=d.seq_len)
-    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
-    p.add_argument("--warmup", type=int, default=d.warmup, help="linear warm-up steps")
-    p.add_argument("--min-lr", type=float, default=None, help="cosine floor (default: lr/10)")
-    p.add_argument("--clip", type=float, default=d.clip, help="global-norm clip (0: off)")
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--data", default=None,
-                   help="a file whose bytes are the tokens (default: a synthetic stream)")
-    p.add_argument("--dropout", type=float, default=None, help="dropout of a bundled preset")
-    p.add_argument("--save", default=None, help="checkpoint directory (step-* inside)")
-    p.add_argument("--save-every", type=int, default=d.save_every,
-                   help="steps between checkpoints (0: only at the end)")
-    p.add_argument("--resume", default=None,
-                   help="a --save directory (its newest step-*) or a checkpoint directory")
-    p.add_argument("--check-replicas-every", type=int, default=d.check_replicas_every,
-                   help="steps between replica checks (0: only at the end)")
-    p.add_argument("--bf16", action="store_true", help="bfloat16 autocast")
-    p.add_argument("--fp16", action="store_true",
-                   help="float16 autocast with dynamic loss scaling; an inf/nan gradient on "
-                        "any rank skips the step on every rank (not with --bf16)")
-    p.add_argument("--recompute", action="store_true",
-                   help="recompute each block's activations in backward (less memory, "
-                        "one more forward; dropout masks are redrawn identically)")
-    p.add_argument("--log-every", type=int, default=d.log_every)
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    args = p.parse_args(argv)
+    types = typing.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        kwargs = dict(f.metadata)
+        help_text = kwargs.pop("help", "")  # a field declared with option() has help
+        flag = "--" + f.name.replace("_", "-")
+        if types[f.name] is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                           help=help_text, **kwargs)
+            continue
+        kind = next(t for t in typing.get_args(types[f.name]) or (types[f.name],)
+                    if t is not type(None))
+        if f.default is not None:
+            help_text += f" (default: {f.default})"
+        p.add_argument(flag, type=kind, default=f.default, help=help_text, **kwargs)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    """The ``TrainConfig`` of a command line (``ConfigurationError`` for bad values)."""
+    args = parser().parse_args(argv)
     return TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
 
 
