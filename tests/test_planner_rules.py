@@ -16,7 +16,7 @@ from shardplan.ranks import SimulatedRanks
 from planner_cases import gather_grads, reference, sharded_step
 from planner_models import DataDependent, GroupedSDPA, MaskedSDPA, NoTokens, TinyLM
 
-RULES = Path(__file__).resolve().parent.parent / "rules" / "megatron.toml"
+RULES = Path(__file__).resolve().parent.parent / "shardplan" / "rules" / "megatron.toml"
 
 
 def _check(model, tp, b=2, t=6):

@@ -22,7 +22,7 @@ local slices, the vocab-parallel loss, the gathers of sharded outputs.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx as fx
@@ -383,5 +383,4 @@ def _transitions(ann: Annotation) -> list[Transition]:
 
 
 def _with_consumer(t: Transition, edge) -> Transition:
-    from dataclasses import replace
     return replace(t, consumers=t.consumers + (edge,))

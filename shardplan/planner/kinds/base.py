@@ -19,6 +19,7 @@ import torch
 import torch.fx as fx
 
 from ...layouts import Partial, Replicate, Shard
+from ..graph import op_name
 
 R = Replicate()
 
@@ -67,7 +68,6 @@ class Context:
     rules: object  # RuleSet
 
     def kind_of(self, node: fx.Node) -> str | None:
-        from ..graph import op_name
         return self.rules.kind(op_name(node))
 
 
