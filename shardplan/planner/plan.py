@@ -2,33 +2,28 @@
 
 A ``Plan`` lists every parameter's layout and local shape, every collective
 (kind, direction, bytes, graph node, source line), every decision with the
-rule that made it, per-rank memory and warnings. It is built from the same
-rewritten graph a rank would run, so it cannot disagree with the runtime.
+rule that made it, per-rank memory and warnings. It is built from the
+annotation's transitions, the list the rewriter executes, so it cannot
+disagree with the runtime.
 """
 
 from __future__ import annotations
 
-import copy
 import math
 import re
-import warnings
 
 import torch
-import torch.fx as fx
 import torch.nn as nn
 from pydantic import BaseModel, Field
 
 from .capture import Captured, capture, module_of, source_of
-from .annotate import Annotation, annotate, hint, shape
-from ..errors import CommunicationError
+from .annotate import Annotation, annotate
 from .inputs import check_dtypes, check_model_arg, example_args
-from ..layouts import Partial, Replicate, Shard
-from .rewrite import rewrite
+from .kinds import Role
+from ..layouts import Replicate, Shard
 from .rules import RuleSet, load_rules
-from ..runtime.comm import Group
-from ..runtime.graph_ops import (CopyToRegion, GatherShard, ReduceFromRegion, SumOverReplicas,
-                                VocabCrossEntropy)
 from .shards import local_shape
+from .transitions import Purpose, Transition
 
 SCHEMA_VERSION = 1
 
@@ -45,9 +40,9 @@ class ParamEntry(BaseModel):
 
 
 class CollectiveEntry(BaseModel):
-    kind: str  # all_reduce | all_gather
+    kind: str  # the c10d collective: all_reduce | all_gather | reduce_scatter
     direction: str  # forward | backward
-    purpose: str  # f | g | vocab_loss | gather_output
+    purpose: Purpose
     elements: int  # for the plan's example inputs
     elements_per_token: float
     bytes: int
@@ -59,7 +54,7 @@ class CollectiveEntry(BaseModel):
 class Decision(BaseModel):
     node: str
     module: str
-    role: str  # column | row | vocab_embedding | vocab_loss | replicated
+    role: Role
     layout: str
     rule: str
     evidence: list[str] = []
@@ -129,19 +124,6 @@ class Plan(BaseModel):
         return cls.model_validate_json(text)
 
 
-class PlanningGroup(Group):
-    """A group of ``size`` ranks seen from rank 0, for building graphs never run."""
-
-    def __init__(self, size: int):
-        self.rank, self.size = 0, size
-
-    def _fail(self, *a, **k):
-        raise CommunicationError("a planning graph cannot communicate",
-                                 fix="use parallelize() to get a runnable module")
-
-    _all_reduce = _all_gather = _reduce_scatter = _broadcast = _barrier = _fail
-
-
 def plan(model: nn.Module, tp: int, *, example_inputs=None, rules="megatron",
          strict: bool = False) -> Plan:
     """The plan for ``model`` at ``tp``, with no process group and no real memory.
@@ -160,25 +142,14 @@ def plan(model: nn.Module, tp: int, *, example_inputs=None, rules="megatron",
 
 def build_plan(model: nn.Module, captured: Captured, ann: Annotation, ruleset: RuleSet,
                args, kwargs) -> Plan:
-    """A ``Plan`` from an annotation (rewrites a copy of the graph to find the collectives)."""
+    """A ``Plan`` from an annotation: its collectives are its communicating transitions."""
     tp = ann.tp
     tokens = _tokens(args, kwargs)
-    decisions = _decisions(ann)
     layouts = {captured.aliases.get(k, k): v for k, v in ann.params.items()}
-    with warnings.catch_warnings():  # torch's own pytree deprecation, inside deepcopy
-        warnings.simplefilter("ignore", FutureWarning)
-        gm = copy.deepcopy(ann.gm)
-    node_map = {a.name: b for a, b in zip(ann.gm.graph.nodes, gm.graph.nodes)}
-    shadow = Annotation(gm, tp, {node_map[n.name]: v for n, v in ann.layouts.items()},
-                        {node_map[n.name]: v for n, v in ann.outcomes.items()}, ann.params,
-                        {node_map[n.name]: v for n, v in ann.requires_grad.items()},
-                        ann.disabled, ann.warnings, ruleset)
-    rewrite(shadow, PlanningGroup(tp), gather_output=True)
-    collectives = _collectives(gm, shadow, tokens)
     stamp = _Stamp(captured.truncated)
     params = _params(model, captured, layouts, tp, stamp)
-    collectives = stamp.entries(collectives)
-    decisions = stamp.entries(decisions)
+    collectives = stamp.entries(_collectives(ann.transitions, tokens))
+    decisions = stamp.entries(_decisions(ann))
     per_rank = sum(p.bytes_per_rank for p in params)
     unsharded = sum(math.prod(p.global_shape) * _itemsize(p.dtype) for p in params)
     return Plan(model=type(model).__name__, tp=tp, rules=ruleset.name, tokens=tokens,
@@ -200,64 +171,29 @@ def _tokens(args, kwargs) -> int:
 def _decisions(ann: Annotation) -> list[Decision]:
     out = []
     for node, o in ann.outcomes.items():
-        role = o.role
-        if node in ann.disabled:
-            role = "replicated"
-        elif role == "local":
+        role = Role.REPLICATED if node in ann.disabled else o.role
+        if role is Role.LOCAL:
             continue
-        lay = ann.layouts.get(node)
         out.append(Decision(
-            node=node.name, module=module_of(node), role=role,
-            layout=str(Partial() if role in ("row", "partial", "vocab_embedding") else lay),
+            node=node.name, module=module_of(node), role=role, layout=str(ann.layouts.get(node)),
             rule=ann.disabled.get(node, o.rule),
             evidence=[a.name for a in node.all_input_nodes], source=source_of(node)))
     return out
 
 
-def _collectives(gm: fx.GraphModule, ann: Annotation, tokens: int) -> list[CollectiveEntry]:
+def _collectives(transitions: list[Transition], tokens: int) -> list[CollectiveEntry]:
     out = []
-    for node in gm.graph.nodes:
-        if node.op != "call_module" or not node.target.startswith("tp_"):
+    for t in transitions:
+        if t.direction is None:
             continue
-        mod = gm.get_submodule(node.target)
-        src = node.args[0]
-        val = src.meta.get("val") if isinstance(src, fx.Node) else None
-        numel = _numel(val)
-        size = val.element_size() if isinstance(val, torch.Tensor) else 4
-        if isinstance(mod, CopyToRegion):
-            entries = [("all_reduce", "backward", "f", numel)]
-        elif isinstance(mod, ReduceFromRegion):
-            entries = [("all_reduce", "forward", "g", numel)]
-        elif isinstance(mod, SumOverReplicas):  # the full tensor (its meta holds full shapes)
-            entries = [("all_reduce", "backward", "replica_grad", numel)]
-        elif isinstance(mod, GatherShard):
-            entries = [("all_gather", "forward", "gather_output", _full_numel(src, mod))]
-        elif isinstance(mod, VocabCrossEntropy):
-            n = _numel(node.args[1].meta.get("val"))
-            size = 4  # the loss reduces in fp32
-            stacked = 2 if mod.label_smoothing else 1
-            entries = [("all_reduce", "forward", "vocab_loss", n * k) for k in (1, stacked, 1)]
-        else:
-            continue
-        origin = src if isinstance(src, fx.Node) else node
-        for kind, direction, purpose, elements in entries:
+        size = torch.empty((), dtype=t.dtype).element_size()
+        for elements in t.elements:
             out.append(CollectiveEntry(
-                kind=kind, direction=direction, purpose=purpose, elements=elements,
-                elements_per_token=elements / max(tokens, 1), bytes=elements * size,
-                node=origin.name, module=module_of(origin), source=source_of(origin)))
+                kind=t.collective.c10d, direction=t.direction, purpose=t.purpose,
+                elements=elements, elements_per_token=elements / max(tokens, 1),
+                bytes=elements * size, node=t.src.name, module=module_of(t.src),
+                source=source_of(t.src)))
     return out
-
-
-def _numel(val) -> int:
-    if not isinstance(val, torch.Tensor):
-        return 0
-    return math.prod(hint(d) for d in val.shape)
-
-
-def _full_numel(src: fx.Node, mod: GatherShard) -> int:
-    dims = [hint(d) for d in shape(src)]
-    dims[mod.layout.dim] = mod.full
-    return math.prod(dims)
 
 
 def _itemsize(dtype: str) -> int:

@@ -1,23 +1,30 @@
 """rewrite: an annotated graph -> the graph one rank runs.
 
-Inserts the communication the annotation calls for as named modules (f before
-each region, g after each partial result, the vocab-parallel lookup and loss,
-gathers of sharded outputs), moves row-parallel biases after g, and rewrites
-shape constants for the local shard. Parameters are bound separately
-(``bind``), so every capture of one model shares the same shards.
+Executes the annotation's transitions on a copy of its graph (the
+annotation is never changed): f, g, local slices, replica sums and output
+gathers become named modules (``tp_f_0``, ``tp_g_3``); the ops whose role
+says so are replaced (the vocab-parallel lookup and loss, random ops on a
+sharded region); a row-parallel bias moves after its g; and each kind
+rewrites its size arguments for the local shard. Parameters are bound
+separately (``bind``), so every capture of one model shares the same shards.
 """
 
 from __future__ import annotations
 
+import copy
 import operator
+import warnings
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from .annotate import Annotation, read_as
 from .capture import module_of
-from .annotate import Annotation, _any_sharded, _slice_range, hint, op_name, operands, shape
-from ..layouts import Partial, Replicate, Shard
+from .graph import args_of, op_name, operand, operands, replace_operand, set_arg, shape
+from .kinds import KINDS, Role
+from .transitions import Purpose, Transition
+from ..layouts import Shard
 from ..runtime.comm import Group
 from ..runtime.graph_ops import (CopyToRegion, GatherShard, LocalShard, ModelParallelRNG,
                                 ReduceFromRegion, SumOverReplicas, VocabCrossEntropy, VocabLookup)
@@ -27,23 +34,46 @@ aten = torch.ops.aten
 
 def rewrite(ann: Annotation, group: Group, *, gather_output: bool = True,
             device: torch.device | None = None) -> fx.GraphModule:
-    """Rewrite ``ann.gm`` in place for ``group.rank`` and return it."""
-    rw = _Rewriter(ann, group)
-    for node in list(ann.gm.graph.nodes):
-        rw.visit(node)
-    rw.output(gather_output)
+    """The graph ``group.rank`` runs: a rewritten copy of ``ann.gm`` (sharing its tensors)."""
+    gm, env = _copy(ann.gm)
+    rw = _Rewriter(ann, group, gm, env)
+    rw.run()
+    if gather_output:
+        rw.gather_outputs()
     if device is not None:
-        _retarget_devices(ann.gm.graph, device)
-    ann.gm.graph.lint()
-    ann.gm.recompile()
-    return ann.gm
+        _retarget_devices(gm.graph, device)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _copy(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict]:
+    """A copy of ``gm`` whose graph and modules are new and whose tensors are shared."""
+    memo = {id(t): t for t in [*gm.parameters(), *gm.buffers()]}
+    with warnings.catch_warnings():  # torch's own pytree deprecation, inside deepcopy
+        warnings.simplefilter("ignore", FutureWarning)
+        new = copy.deepcopy(gm, memo)
+    return new, dict(zip(gm.graph.nodes, new.graph.nodes))
 
 
 class _Rewriter:
-    def __init__(self, ann: Annotation, group: Group):
-        self.ann, self.group, self.gm, self.graph = ann, group, ann.gm, ann.gm.graph
-        self.f_of: dict = {}
+    def __init__(self, ann: Annotation, group: Group, gm: fx.GraphModule, env: dict):
+        self.ann, self.group, self.gm, self.graph = ann, group, gm, gm.graph
+        self.env = env  # annotated node -> the node computing it here
+        self.reduced: dict = {}  # annotated partial node -> the node holding its sum
+        self.shared: dict = {}  # (src, purpose) -> the node of a transition shared by consumers
         self.count: dict = {}
+        self.at_edge: dict = {}  # (consumer, path) -> [Transition]
+        self.after: dict = {}  # annotated node -> its G transition
+        self.gathers: list[Transition] = []
+        for t in ann.transitions:
+            if t.purpose is Purpose.G:
+                self.after[t.src] = t
+            elif t.purpose is Purpose.GATHER_OUTPUT:
+                self.gathers.append(t)
+            elif t.purpose is not Purpose.VOCAB_LOSS:  # the loss op itself realises it
+                for edge in t.consumers:
+                    self.at_edge.setdefault(edge, []).append(t)
 
     def _module(self, kind: str, mod: nn.Module) -> str:
         n = self.count[kind] = self.count.get(kind, -1) + 1
@@ -51,258 +81,161 @@ class _Rewriter:
         self.gm.add_submodule(name, mod)
         return name
 
-    def _site(self, node: fx.Node) -> str:
+    @staticmethod
+    def _site(node: fx.Node) -> str:
         mod = module_of(node)
         return f"{node.name}@{mod}" if mod else node.name
 
-    def visit(self, node: fx.Node) -> None:
-        out = self.ann.outcomes.get(node)
-        if out is None:
-            return
-        entering = _any_sharded(out.out)
-        for path, a in operands(node):
-            if path == out.bias:
+    def _value(self, orig: fx.Node) -> fx.Node:
+        """The node a consumer of ``orig`` reads (after its g, if it has one)."""
+        return self.reduced.get(orig, self.env[orig])
+
+    def run(self) -> None:
+        for orig in list(self.ann.gm.graph.nodes):
+            out = self.ann.outcomes.get(orig)
+            if out is None:
                 continue
-            need = out.needs.get(path, Replicate())
-            have = self.ann.layouts.get(a)
-            if not isinstance(have, Replicate):
-                continue
-            if isinstance(need, Shard) and a.op == "get_attr":
-                if need.replicas > 1 and self.ann.requires_grad.get(a):
-                    _replace_operand(node, path, self._replica_sum(a, need))
-                continue  # a sharded parameter: sliced when bound
-            new = a
-            if entering and self.ann.requires_grad.get(a):
-                new = self._f(a)
-            if isinstance(need, Shard):
-                with self.graph.inserting_before(node):
-                    new = self.graph.call_module(
-                        self._module("shard", LocalShard(need, self.group.rank, self.group.size)),
-                        (new,))
-            if new is not a:
-                _replace_operand(node, path, new)
-        self._rewrite_sizes(node)
-        self._model_parallel_rng(node, out)
-        if out.role == "vocab_embedding":
-            self._vocab_embedding(node, out)
-        elif out.role == "vocab_loss":
-            self._vocab_loss(node)
-        elif isinstance(out.out, Partial):
-            self._reduce(node, out)
+            node = self.env[orig]
+            for path, a in operands(orig):
+                ts = self.at_edge.get((orig, path))
+                if ts:
+                    new = self._value(a)
+                    for t in ts:
+                        new = self._execute(t, new, node)
+                    replace_operand(node, path, new)
+            self._rewrite_sizes(orig, node)
+            node = self._model_parallel_rng(orig, node, out)
+            if out.role is Role.VOCAB_EMBEDDING:
+                node = self.env[orig] = self._vocab_embedding(node, out)
+            elif out.role is Role.VOCAB_LOSS:
+                node = self._vocab_loss(orig, node)
+            if orig in self.after:
+                self._reduce(orig, node, out)
 
-    def _model_parallel_rng(self, node: fx.Node, out) -> None:
-        """A random op on a sharded tensor draws from the model-parallel stream."""
-        where = self.ann.rules.strategy.random.get(op_name(node))
-        if where is None or not isinstance(out.out, Shard):
-            return
-        p = node.args[where] if len(node.args) > where else 0.0
-        train = node.args[2] if op_name(node).endswith("dropout.default") else True
-        if not p or not train:
-            return
-        mod = self._module("rng", ModelParallelRNG(node.target, self.group))
-        with self.graph.inserting_before(node):
-            new = self.graph.call_module(mod, node.args, dict(node.kwargs))
-        new.meta = dict(node.meta)
-        node.replace_all_uses_with(new)
-        self.graph.erase_node(node)
-        self.ann.outcomes[new] = out
-        self.ann.layouts[new] = self.ann.layouts[node]
+    # ----------------------------------------------------------------- transitions
 
-    def _f(self, a: fx.Node) -> fx.Node:
-        if a not in self.f_of:
-            with self.graph.inserting_after(a):
-                self.f_of[a] = self.graph.call_module(
-                    self._module("f", CopyToRegion(self.group, self._site(a))), (a,))
-        return self.f_of[a]
+    def _execute(self, t: Transition, value: fx.Node, consumer: fx.Node) -> fx.Node:
+        """The node that gives ``consumer`` the value ``t`` turns ``value`` into."""
+        if t.purpose is Purpose.SPLIT:
+            with self.graph.inserting_before(consumer):
+                return self.graph.call_module(
+                    self._module("shard", LocalShard(t.after, self.group.rank, self.group.size)),
+                    (value,))
+        key = (t.src, t.purpose)
+        if key not in self.shared:
+            if t.purpose is Purpose.F:
+                mod = self._module("f", CopyToRegion(self.group, self._site(t.src)))
+            else:  # REPLICA_GRAD
+                mod = self._module("replica_sum", SumOverReplicas(
+                    self.group, t.after.dim, t.after.replicas, self._site(t.src)))
+            with self.graph.inserting_after(value):
+                self.shared[key] = self.graph.call_module(mod, (value,))
+        return self.shared[key]
 
-    def _replica_sum(self, a: fx.Node, lay: Shard) -> fx.Node:
-        if a not in self.f_of:
-            with self.graph.inserting_after(a):
-                self.f_of[a] = self.graph.call_module(self._module("replica_sum", SumOverReplicas(
-                    self.group, lay.dim, lay.replicas, self._site(a))), (a,))
-        return self.f_of[a]
-
-    def _g_after(self, node: fx.Node, site_of: fx.Node) -> fx.Node:
-        with self.graph.inserting_after(node):
-            g = self.graph.call_module(
-                self._module("g", ReduceFromRegion(self.group, self._site(site_of))), (node,))
-        return g
-
-    def _reduce(self, node: fx.Node, out) -> None:
+    def _reduce(self, orig: fx.Node, node: fx.Node, out) -> None:
         """g after a partial result; a bias operand is added once, after g."""
         users = list(node.users)
         bias = None
         if out.bias is not None:
-            bias = _operand(node, out.bias)
-            if op_name(node) == "aten.addmm.default":
+            bias = operand(node, out.bias)
+            if op_name(node) == "aten.addmm.default":  # mm now, the bias after g
                 with self.graph.inserting_before(node):
                     mm = self.graph.call_function(aten.mm.default, (node.args[1], node.args[2]))
                 mm.meta = dict(node.meta)
                 node.replace_all_uses_with(mm)
                 self.graph.erase_node(node)
-                node = mm
+                node = self.env[orig] = mm
             else:
-                _replace_operand(node, out.bias, None)
-        g = self._g_after(node, node)
+                replace_operand(node, out.bias, None)
+        with self.graph.inserting_after(node):
+            g = self.graph.call_module(
+                self._module("g", ReduceFromRegion(self.group, self._site(node))), (node,))
         last = g
         if bias is not None:
             with self.graph.inserting_after(g):
                 last = self.graph.call_function(aten.add.Tensor, (g, bias))
-        self._replicated(node, g, last)
+        self.reduced[orig] = last
         for u in users:
             if u is not node:
                 u.replace_input_with(node, last)
 
-    def _replicated(self, original: fx.Node, *made: fx.Node) -> None:
-        """Nodes made after a g hold the replicated value: later regions read them like
-        any replicated tensor (an f before, a local slice where needed)."""
-        for n in made:
-            self.ann.layouts[n] = Replicate()
-            self.ann.requires_grad[n] = self.ann.requires_grad.get(original, False)
+    def gather_outputs(self) -> None:
+        out = next(n for n in self.graph.nodes if n.op == "output")
+        for t in self.gathers:
+            value = self._value(t.src)
+            with self.graph.inserting_before(out):
+                gathered = self.graph.call_module(self._module("gather", GatherShard(
+                    self.group, t.before, t.messages[0][t.before.dim], self._site(t.src))),
+                    (value,))
+            out.replace_input_with(value, gathered)
 
-    def _vocab_embedding(self, node: fx.Node, out) -> None:
-        spec = self.ann_spec("vocab_embedding")
-        weight, ids = node.args[spec.weight], node.args[spec.indices]
-        lay = out.needs[(spec.weight,)]
-        rows = shape(weight)[0]
-        padding_idx = node.args[2] if len(node.args) > 2 and node.args[2] != -1 else None
-        with self.graph.inserting_before(node):
-            lookup = self.graph.call_module(
-                self._module("vocab", VocabLookup(rows, lay.padded or rows, self.group, padding_idx)),
-                (weight, ids))
-        lookup.meta = dict(node.meta)
-        node.replace_all_uses_with(lookup)
-        self.graph.erase_node(node)
-        users = list(lookup.users)
-        g = self._g_after(lookup, lookup)
-        self._replicated(node, g)
-        for u in users:
-            u.replace_input_with(lookup, g)
+    # ----------------------------------------------------------------- ops replaced by role
 
-    def _vocab_loss(self, node: fx.Node) -> None:
-        spec = self.ann_spec("vocab_loss")
-        args = list(node.args) + [None] * 6
-        logits, target = args[spec.logits], args[spec.target]
-        vocab = shape(logits)[1]
-        loss = VocabCrossEntropy(
-            self.group, vocab_size=vocab,
-            reduction=1 if args[spec.reduction] is None else args[spec.reduction],
-            ignore_index=-100 if args[spec.ignore_index] is None else args[spec.ignore_index],
-            label_smoothing=args[spec.label_smoothing] or 0.0, site=self._site(node))
-        with self.graph.inserting_before(node):
-            new = self.graph.call_module(self._module("vocab_loss", loss), (logits, target))
+    def _replace(self, node: fx.Node, new: fx.Node) -> fx.Node:
         new.meta = dict(node.meta)
         node.replace_all_uses_with(new)
         self.graph.erase_node(node)
+        return new
 
-    def ann_spec(self, which):
-        return getattr(self.ann.rules.strategy, which)
+    def _model_parallel_rng(self, orig: fx.Node, node: fx.Node, out) -> fx.Node:
+        """A random op on a sharded tensor draws from the model-parallel stream."""
+        where = self.ann.rules.strategy.random.get(op_name(orig))
+        if where is None or not isinstance(out.out, Shard):
+            return node
+        args = args_of(node)
+        p = args[node.target._schema.arguments[where].name]
+        if not p or not args.get("train", True):
+            return node
+        mod = self._module("rng", ModelParallelRNG(node.target, self.group))
+        with self.graph.inserting_before(node):
+            new = self.graph.call_module(mod, node.args, dict(node.kwargs))
+        self.env[orig] = self._replace(node, new)
+        return new
 
-    # ----------------------------------------------------------------- shape constants
+    def _vocab_embedding(self, node: fx.Node, out) -> fx.Node:
+        spec = self.ann.rules.strategy.vocab_embedding
+        weight, ids = node.args[spec.weight], node.args[spec.indices]
+        lay = out.needs[(spec.weight,)]
+        rows = shape(weight)[0]
+        pad = args_of(node)["padding_idx"]
+        lookup = VocabLookup(rows, lay.padded or rows, self.group, None if pad == -1 else pad)
+        with self.graph.inserting_before(node):
+            new = self.graph.call_module(self._module("vocab", lookup), (weight, ids))
+        return self._replace(node, new)
 
-    def _rewrite_sizes(self, node: fx.Node) -> None:
+    def _vocab_loss(self, orig: fx.Node, node: fx.Node) -> fx.Node:
+        spec = self.ann.rules.strategy.vocab_loss
+        names = [a.name for a in node.target._schema.arguments]
+        args = args_of(node)
+        arg = lambda i: args[names[i]]  # noqa: E731
+        loss = VocabCrossEntropy(
+            self.group, vocab_size=shape(arg(spec.logits))[1], reduction=arg(spec.reduction),
+            ignore_index=arg(spec.ignore_index), label_smoothing=arg(spec.label_smoothing) or 0.0,
+            site=self._site(node))
+        with self.graph.inserting_before(node):
+            new = self.graph.call_module(self._module("vocab_loss", loss),
+                                         (arg(spec.logits), arg(spec.target)))
+        self.env[orig] = self._replace(node, new)
+        return new
+
+    # ----------------------------------------------------------------- size arguments
+
+    def _rewrite_sizes(self, orig: fx.Node, node: fx.Node) -> None:
         """Literal (or traced) sizes of the sharded dim become this rank's sizes."""
-        if not node.args or not isinstance(node.args[0], fx.Node):
+        if not orig.args or not isinstance(orig.args[0], fx.Node):
             return
-        src = self.ann.layouts.get(node.args[0])
-        if not isinstance(src, Shard):
-            return
-        name = op_name(node)
-        kind = self.ann.rules.kind(name)
-        tp = self.group.size
-        out = self.ann.layouts.get(node)
-        if kind in ("reshape", "expand") and isinstance(out, Shard):
-            pos = 2 if name.endswith("unflatten.int") else 1
-            if len(node.args) > pos and isinstance(node.args[pos], (list, tuple)):
-                sizes = list(node.args[pos])
-                j = out.dim - (len(shape(node)) - len(sizes)) if name.endswith("unflatten.int") \
-                    else out.dim
-                if 0 <= j < len(sizes):
-                    sizes[j] = self._local(node, sizes[j], out, shape(node)[out.dim])
-                    if kind == "expand" and out.replicas > 1:  # copies split between replicas
-                        sizes[j + 1] = self._divided(node, sizes[j + 1], out.replicas)
-                    _set_arg(node, pos, sizes)
-        elif kind == "split" and name != "aten.unbind.int":
-            dim = (node.args[2] if len(node.args) > 2 else 0) % len(shape(node.args[0]))
-            if dim == src.dim and name == "aten.split.Tensor":
-                _set_arg(node, 1, node.args[1] // tp)
-            elif dim == src.dim and name == "aten.split_with_sizes.default":
-                _set_arg(node, 1, [s // tp for s in node.args[1]])
-        elif kind == "slice" and not name.endswith("select.int"):
-            dim = (node.args[1] if len(node.args) > 1 else 0) % len(shape(node.args[0]))
-            if dim == src.dim:
-                start, stop = _slice_range(node, name, hint(shape(node.args[0])[dim]))
-                if name.endswith("narrow.default"):
-                    _set_arg(node, 2, start // tp)
-                    _set_arg(node, 3, (stop - start) // tp)
-                else:
-                    _set_arg(node, 2, start // tp)
-                    _set_arg(node, 3, stop // tp)
-
-    def _local(self, node, size, lay: Shard, full):
-        if isinstance(size, int):
-            return size if size == -1 else lay.local_size(size, self.group.size)
-        return self._divided(node, size, self.group.size // lay.replicas)
-
-    def _divided(self, node, size, by: int):
-        if isinstance(size, int):
-            return size if size == -1 else size // by
-        with self.graph.inserting_before(node):  # a traced size expression
-            return self.graph.call_function(operator.floordiv, (size, by))
-
-    # ----------------------------------------------------------------- outputs
-
-    def output(self, gather: bool) -> None:
-        out = next(n for n in self.graph.nodes if n.op == "output")
-        if not gather:
+        src = read_as(self.ann.layouts.get(orig.args[0]))
+        kind = self.ann.rules.kind(op_name(orig))
+        if not isinstance(src, Shard) or kind is None:
             return
 
-        def fix(a):
-            if isinstance(a, fx.Node) and isinstance(self.ann.layouts.get(a), Shard):
-                lay = self.ann.layouts[a]
-                with self.graph.inserting_before(out):
-                    return self.graph.call_module(self._module("gather", GatherShard(
-                        self.group, lay, _full(a, lay), self._site(a))), (a,))
-            if isinstance(a, (list, tuple)):
-                return type(a)(fix(x) for x in a)
-            if isinstance(a, dict):
-                return {k: fix(v) for k, v in a.items()}
-            return a
+        def divide(size, by: int):
+            with self.graph.inserting_before(node):  # a traced size expression
+                return self.graph.call_function(operator.floordiv, (size, by))
 
-        out.args = tuple(fix(a) for a in out.args)
-
-
-def _full(node, lay: Shard) -> int:
-    return hint(shape(node)[lay.dim])
-
-
-def _operand(node, path):
-    if path[0] == "k":
-        return node.kwargs[path[1]]
-    a = node.args[path[0]]
-    return a[path[1]] if len(path) == 2 else a
-
-
-def _replace_operand(node: fx.Node, path, new) -> None:
-    if path[0] == "k":
-        kwargs = dict(node.kwargs)
-        kwargs[path[1]] = new
-        node.kwargs = kwargs
-        return
-    args = list(node.args)
-    if len(path) == 2:
-        inner = list(args[path[0]])
-        inner[path[1]] = new
-        args[path[0]] = type(node.args[path[0]])(inner)
-    else:
-        args[path[0]] = new
-    node.args = tuple(args)
-
-
-def _set_arg(node: fx.Node, i: int, value) -> None:
-    args = list(node.args)
-    args[i] = value
-    node.args = tuple(args)
+        local = KINDS[kind].local_args(node, src, self.ann.layouts.get(orig), self.group.size, divide)
+        for name, value in local.items():
+            set_arg(node, name, value)
 
 
 def _retarget_devices(graph: fx.Graph, device: torch.device) -> None:

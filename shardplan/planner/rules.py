@@ -4,8 +4,8 @@ A rule set is a TOML file (see ``shardplan/rules/megatron.toml``), parsed and
 validated; nothing in it is executed. ``load_rules("megatron")`` loads a
 bundled set, ``load_rules(path)`` a user's. Beyond its schema, a rule set must
 be of a version this shardplan reads, name only ATen ops this torch has, list
-each op under one kind, and give every opener an einsum signature holding its
-factor.
+each op under one registered kind (``kinds.KINDS``) that can read its
+arguments, and give every opener an einsum signature holding its factor.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..errors import RuleError
+from .kinds import KINDS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -100,25 +101,12 @@ class Reduce(_Strict):
         return v
 
 
-class Ops(_Strict):
-    elementwise: list[str] = []
-    identity: list[str] = []
-    reshape: list[str] = []
-    permute: list[str] = []
-    expand: list[str] = []
-    split: list[str] = []
-    slice: list[str] = []
-    concat: list[str] = []
-    inspect: list[str] = []
-    size: list[str] = []
-
-
 class RuleSet(_Strict):
     name: str
     version: int
     strategy: Strategy
     einsum: dict[str, Einsum] = {}
-    ops: Ops = Ops()
+    ops: dict[str, list[str]] = {}  # kind name (kinds.KINDS) -> the ops it covers
     reduce: dict[str, Reduce] = {}
 
     def kind(self, op: str) -> str | None:
@@ -127,8 +115,8 @@ class RuleSet(_Strict):
             return "einsum"
         if op in self.reduce:
             return "reduce"
-        for kind in Ops.model_fields:
-            if op in getattr(self.ops, kind):
+        for kind, ops in self.ops.items():
+            if op in ops:
                 return kind
         return None
 
@@ -193,8 +181,13 @@ def _check(rules: RuleSet, where: str) -> None:
     strategy = rules.strategy
     named = [o.op for o in strategy.open] + list(strategy.random)
     named += [s.op for s in (strategy.vocab_embedding, strategy.vocab_loss) if s is not None]
-    tables = {"einsum": rules.einsum, "reduce": rules.reduce,
-              **{kind: getattr(rules.ops, kind) for kind in Ops.model_fields}}
+    tabled = {"einsum", "reduce"}  # kinds whose ops carry parameters, in their own tables
+    for kind in rules.ops:
+        if kind not in KINDS or kind in tabled:
+            raise RuleError(f"[ops] lists an unknown kind {kind!r}", where=where,
+                            fix="use one of " + ", ".join(sorted(set(KINDS) - tabled)) +
+                                " (einsum and reduce ops have their own tables)")
+    tables = {"einsum": rules.einsum, "reduce": rules.reduce, **rules.ops}
     kinds: dict[str, list[str]] = {}  # op -> the kinds listing it
     for kind, ops in tables.items():
         for op in dict.fromkeys(ops):
@@ -207,6 +200,7 @@ def _check(rules: RuleSet, where: str) -> None:
                             where=where,
                             fix=f"keep {op} under the one kind that describes it and delete "
                                 "the other entries")
+        _check_readable(op, listed[0], where)
     for op, es in rules.einsum.items():
         letters = set(es.sig) - set(".,->")
         stray = sorted(set(es.shardable or "") - letters - {"."})
@@ -252,3 +246,24 @@ def _check_op_name(op: str, where: str) -> None:
         what = f"{op} names no overload" if len(parts) == 2 else \
             f"{op} is not an overload of aten.{parts[1]}"
         raise RuleError(what, where=where, fix=f"name one overload: {overloads}")
+
+
+def _check_readable(op: str, kind: str, where: str) -> None:
+    """The kind an op is listed under must be able to read its arguments."""
+    overload = _overload(op)
+    if overload is None or KINDS[kind].reads(overload):
+        return
+    able = [k for k, obj in KINDS.items() if obj.reads(overload)]
+    raise RuleError(f"{op} is listed under {kind}, which cannot read its arguments",
+                    where=where,
+                    fix=(f"list it under a kind that reads it ({', '.join(able)})" if able else
+                         "no kind reads it: delete the entry (an unlisted op keeps its region "
+                         "replicated)"))
+
+
+def _overload(op: str):
+    """The OpOverload named ``ns.op.overload``, if this torch has it."""
+    ns, _, rest = op.partition(".")
+    name, _, overload = rest.partition(".")
+    packet = getattr(getattr(torch.ops, ns, None), name, None)
+    return getattr(packet, overload, None) if overload and packet is not None else None

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ..layouts import Shard
 from .comm import Group
-from .layers import check_ids, vocab_range
+from .layers import check_ids, vocab_lookup, vocab_range
 from .loss import vocab_parallel_cross_entropy
 from .mappings import copy_to_region, reduce_from_region
 from .random import tracker_for
@@ -41,9 +40,10 @@ class ReduceFromRegion(nn.Module):
 
 
 class VocabLookup(nn.Module):
-    """This rank's rows of an embedding: ids it does not own give zero rows.
-
-    Its output is partial; a ``ReduceFromRegion`` follows it in the graph.
+    """This rank's rows of an embedding: ids it does not own give zero rows, and
+    the padding row no gradient (``layers.vocab_lookup``, as the hand-written
+    ``VocabParallelEmbedding``). Its output is partial; a ``ReduceFromRegion``
+    follows it in the graph.
     """
 
     def __init__(self, num_embeddings: int, padded: int, group: Group, padding_idx=None):
@@ -54,9 +54,7 @@ class VocabLookup(nn.Module):
 
     def forward(self, weight, ids):
         check_ids(ids, self.num_embeddings, "vocab-parallel embedding")
-        outside = (ids < self.start) | (ids >= self.end)
-        rows = F.embedding((ids - self.start).masked_fill(outside, 0), weight)
-        return rows.masked_fill(outside.unsqueeze(-1), 0.0)
+        return vocab_lookup(weight, ids, self.start, self.end, self.padding_idx)
 
 
 class VocabCrossEntropy(nn.Module):

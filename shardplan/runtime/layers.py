@@ -213,17 +213,29 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         check_ids(ids, self.num_embeddings, "VocabParallelEmbedding")
-        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
-        local = (ids - self.vocab_start).masked_fill(outside, 0)
-        pad = self.padding_idx
-        local_pad = pad - self.vocab_start if pad is not None and \
-            self.vocab_start <= pad < self.vocab_end else None
-        rows = F.embedding(local, self.weight, local_pad)
-        return reduce_from_region(rows.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
+        rows = vocab_lookup(self.weight, ids, self.vocab_start, self.vocab_end, self.padding_idx)
+        return reduce_from_region(rows, self.group)
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, padded_vocab={self.padded_vocab}, "
                 f"rows=[{self.vocab_start}, {self.vocab_end}), tp={self.group.size}")
+
+
+def vocab_lookup(weight: torch.Tensor, ids: torch.Tensor, start: int, end: int,
+                 padding_idx: int | None = None) -> torch.Tensor:
+    """The rows of ``ids`` that this rank owns (``[start, end)``), zeros for the others.
+
+    ``weight`` holds rows ``start..end-1``. The output is partial: summed over
+    the ranks it is ``nn.Embedding``'s. The row of ``padding_idx`` (a full
+    vocabulary id) is looked up as any other and gets no gradient, on the
+    rank that owns it.
+    """
+    outside = (ids < start) | (ids >= end)
+    local = (ids - start).masked_fill(outside, 0)
+    local_pad = padding_idx - start if padding_idx is not None and start <= padding_idx < end \
+        else None
+    rows = F.embedding(local, weight, local_pad)
+    return rows.masked_fill(outside.unsqueeze(-1), 0.0)
 
 
 def check_ids(ids: torch.Tensor, num: int, who: str, ignore_index: int | None = None) -> None:

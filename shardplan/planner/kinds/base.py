@@ -1,0 +1,149 @@
+"""What every rule kind is, and what its rule returns.
+
+A kind is a small object that knows four things about the ops listed under
+it in a rule file: which ATen overloads it can read (``reads``), the layout
+rule (operand layouts -> output layout and the layouts it needs of its
+operands, ``rule``), the cuts it makes along a dim (``cuts``: where a fused
+output is split downstream) and how its size arguments change for one
+rank's shard (``local_args``). Arguments are read by schema name
+(``graph.args_of``), never by position or op-name suffix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Callable, ClassVar
+
+import torch
+import torch.fx as fx
+
+from ...layouts import Partial, Replicate, Shard
+from ..graph import op_name
+
+R = Replicate()
+
+
+class Role(StrEnum):
+    """What a node does in the Megatron strategy (the plan's ``Decision.role``)."""
+
+    LOCAL = "local"  # runs on this rank's part, no decision worth listing
+    COLUMN = "column"  # opens a region: weight split on its output features
+    ROW = "row"  # closes a region: weight split on its input features, output partial
+    PARTIAL = "partial"  # contracts a sharded factor of two activations: output partial
+    VOCAB_EMBEDDING = "vocab_embedding"
+    VOCAB_LOSS = "vocab_loss"
+    REPLICATED = "replicated"  # an opener kept replicated (a conflict downstream)
+
+
+@dataclass
+class Conflict:
+    """A sharded value reaching an op that cannot run on the parts."""
+
+    node: fx.Node
+    reason: str
+    origins: frozenset = frozenset()
+    divisibility: bool = False
+    closes: bool = False  # a reduction over the split dim: the region just does not close
+    replicas: int = 1  # for a divisibility conflict: replicas that would make the split divide
+
+
+@dataclass
+class Outcome:
+    """What one rule says about one node."""
+
+    out: object  # Layout, tuple of Layouts, or None for non-tensors
+    needs: dict = field(default_factory=dict)  # operand path -> required Layout
+    role: Role = Role.LOCAL
+    rule: str = ""
+    conflict: Conflict | None = None
+    bias: tuple | None = None  # operand path of a bias to add after g
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a rule may know beyond its node: tp and the rule set."""
+
+    tp: int
+    rules: object  # RuleSet
+
+    def kind_of(self, node: fx.Node) -> str | None:
+        return self.rules.kind(op_name(node))
+
+
+Divide = Callable[[object, int], object]  # (a traced size, divisor) -> the local size
+
+
+class Kind:
+    """A rule kind; subclasses set ``name`` and ``ops`` (or override ``reads``)."""
+
+    name: ClassVar[str]
+    ops: ClassVar[frozenset[str]] = frozenset()  # the overloads whose arguments it reads
+
+    def reads(self, op: torch._ops.OpOverload) -> bool:
+        """Can this kind read ``op``'s arguments? (checked when a rule file loads)"""
+        return _overload_name(op) in self.ops
+
+    def rule(self, node: fx.Node, lays: dict, ctx: Context) -> Outcome:
+        raise NotImplementedError
+
+    def cuts(self, node: fx.Node, dim: int) -> set[int]:
+        """Offsets along ``dim`` of its input where ``node`` cuts it into pieces."""
+        return set()
+
+    def local_args(self, node: fx.Node, src: Shard, out, tp: int, divide: Divide) -> dict:
+        """Argument name -> this rank's value, for an input sharded as ``src``."""
+        return {}
+
+
+KINDS: dict[str, Kind] = {}
+
+
+def register(cls: type[Kind]) -> type[Kind]:
+    """Class decorator: make a kind available to rule files under ``cls.name``."""
+    KINDS[cls.name] = cls()
+    return cls
+
+
+def _overload_name(op) -> str:
+    return f"{op.namespace}.{op.__name__}"
+
+
+def returns_one_tensor(op) -> bool:
+    rets = op._schema.returns
+    return len(rets) == 1 and isinstance(rets[0].type, torch.TensorType)
+
+
+def conflict(node, reason, divisibility=False) -> Outcome:
+    return Outcome(None, conflict=Conflict(node, reason, divisibility=divisibility))
+
+
+def any_sharded(lay) -> bool:
+    if isinstance(lay, tuple):
+        return any(any_sharded(x) for x in lay)
+    return isinstance(lay, (Shard, Partial))
+
+
+def replicated_like(node):
+    v = node.meta.get("val")
+    if isinstance(v, (tuple, list)):
+        return tuple(R if isinstance(x, torch.Tensor) else None for x in v)
+    return R if isinstance(v, torch.Tensor) else None
+
+
+def with_dim(lay: Shard, d: int) -> Shard:
+    return Shard(d, lay.blocks, lay.padded, lay.replicas)
+
+
+def cumsum(xs):
+    total = 0
+    for x in xs:
+        total += x
+        yield total
+
+
+def local_size(size, lay: Shard, tp: int, divide: Divide):
+    """A size argument of the sharded dim, for one rank (-1 stays -1)."""
+    if isinstance(size, int):
+        return size if size == -1 else lay.local_size(size, tp)
+    return divide(size, tp // lay.replicas)

@@ -1,0 +1,49 @@
+"""identity, inspect and size: ops that keep or only look at a layout."""
+
+from __future__ import annotations
+
+import torch
+
+from ..graph import args_of, op_name, shape
+from .base import R, Context, Kind, Outcome, conflict, register, returns_one_tensor
+
+
+@register
+class IdentityKind(Kind):
+    """One tensor in, same layout out; other operands only lend a dtype (type_as)."""
+
+    name = "identity"
+
+    def reads(self, op) -> bool:
+        args = op._schema.arguments
+        return returns_one_tensor(op) and bool(args) and isinstance(args[0].type, torch.TensorType)
+
+    def rule(self, node, lays, ctx: Context) -> Outcome:
+        return Outcome(lays.get((0,), R), rule="identity")
+
+
+@register
+class InspectKind(Kind):
+    """Ops that only check their input (metadata asserts): no output to lay out."""
+
+    name = "inspect"
+
+    def reads(self, op) -> bool:
+        return not op._schema.returns
+
+    def rule(self, node, lays, ctx: Context) -> Outcome:
+        return Outcome(None, rule="inspect")
+
+
+@register
+class SizeKind(Kind):
+    """A size query: fine unless it asks for the size of the split dim."""
+
+    name = "size"
+    ops = frozenset({"aten.sym_size.int"})
+
+    def rule(self, node, lays, ctx: Context) -> Outcome:
+        dim = args_of(node)["dim"]
+        if dim % len(shape(node.args[0])) == lays[(0,)].dim:
+            return conflict(node, f"{op_name(node)} asks for the size of the sharded dim")
+        return Outcome(None, rule="size of another dim")

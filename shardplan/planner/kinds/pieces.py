@@ -1,0 +1,132 @@
+"""split, slice and concat: ops that cut a tensor into pieces along a dim, or join them.
+
+Along another dim the shard passes through. Along the sharded dim a piece
+must be made of whole blocks of the shard (a fused QKV ``[B, T, 3*C]``
+sharded by blocks ``(C, C, C)`` splits into q, k, v each sharded on ``C``),
+and the cut points become this rank's: ``split(qkv, C)`` runs as
+``split(qkv, C // tp)``.
+"""
+
+from __future__ import annotations
+
+from ..graph import args_of, hint, op_name, operands, shape
+from ...layouts import Shard
+from ..reshape import group_blocks
+from .base import Context, Kind, Outcome, conflict, cumsum, register, with_dim
+
+_SPLITS = {  # overload -> its argument of piece sizes (None: it has none to rewrite)
+    "aten.split.Tensor": "split_size", "aten.split_with_sizes.default": "split_sizes",
+    "aten.chunk.default": None, "aten.unbind.int": None,
+}
+_DROPS_DIM = {"aten.unbind.int", "aten.select.int"}  # pieces lose the cut dim
+
+
+@register
+class SplitKind(Kind):
+    name = "split"
+    ops = frozenset(_SPLITS)
+
+    def rule(self, node, lays, ctx: Context) -> Outcome:
+        lay = lays[(0,)]
+        dim = args_of(node)["dim"] % len(shape(node.args[0]))
+        pieces = [tuple(v.shape) for v in node.meta["val"]]
+        if dim != lay.dim:
+            d = lay.dim - (1 if op_name(node) in _DROPS_DIM and lay.dim > dim else 0)
+            return Outcome(tuple(with_dim(lay, d) for _ in pieces), rule="split (other dim)")
+        sizes = [hint(p[dim]) for p in pieces]
+        groups = group_blocks(lay, sizes) if lay.replicas == 1 else None
+        if groups is None:
+            return conflict(node, f"split {sizes} across the sharded dim does not follow its "
+                                  f"blocks {lay.blocks}")
+        return Outcome(tuple(Shard(dim, g if len(g) > 1 else None) for g in groups),
+                       rule="split (sharded dim, by blocks)")
+
+    def cuts(self, node, dim) -> set[int]:
+        if op_name(node) in _DROPS_DIM or args_of(node)["dim"] % len(shape(node.args[0])) != dim:
+            return set()
+        return set(cumsum(hint(v.shape[dim]) for v in node.meta["val"]))
+
+    def local_args(self, node, src, out, tp, divide) -> dict:
+        arg = _SPLITS[op_name(node)]
+        args = args_of(node)
+        if arg is None or args["dim"] % len(shape(node.args[0])) != src.dim:
+            return {}
+        sizes = args[arg]
+        return {arg: [s // tp for s in sizes] if isinstance(sizes, (list, tuple)) else sizes // tp}
+
+
+@register
+class SliceKind(Kind):
+    name = "slice"
+    ops = frozenset({"aten.slice.Tensor", "aten.narrow.default", "aten.select.int"})
+
+    def rule(self, node, lays, ctx: Context) -> Outcome:
+        lay = lays[(0,)]
+        dim = args_of(node)["dim"] % len(shape(node.args[0]))
+        if dim != lay.dim:
+            d = lay.dim - (1 if op_name(node) in _DROPS_DIM and lay.dim > dim else 0)
+            return Outcome(with_dim(lay, d), rule="slice (other dim)")
+        if op_name(node) in _DROPS_DIM:
+            return conflict(node, "select on the sharded dim")
+        full = hint(shape(node.args[0])[dim])
+        start, stop = _range(node, full)
+        if start is None:
+            return conflict(node, "strided slice on the sharded dim")
+        bounds = list(cumsum(lay.blocks or [full]))
+        if start not in bounds or stop not in bounds or lay.padded or lay.replicas > 1:
+            return conflict(node, f"slice [{start}:{stop}] cuts a block of the sharded dim")
+        inner = [b for b, s in zip(lay.blocks or [full], bounds) if start <= s - b and s <= stop]
+        return Outcome(Shard(dim, tuple(inner) if len(inner) > 1 else None),
+                       rule="slice (sharded dim, whole blocks)")
+
+    def cuts(self, node, dim) -> set[int]:
+        if op_name(node) in _DROPS_DIM or args_of(node)["dim"] % len(shape(node.args[0])) != dim:
+            return set()
+        start, stop = _range(node, hint(shape(node.args[0])[dim]))
+        return set() if start is None else {start, stop}
+
+    def local_args(self, node, src, out, tp, divide) -> dict:
+        args = args_of(node)
+        if op_name(node) in _DROPS_DIM or args["dim"] % len(shape(node.args[0])) != src.dim:
+            return {}
+        start, stop = _range(node, hint(shape(node.args[0])[src.dim]))
+        if "length" in args:
+            return {"start": start // tp, "length": (stop - start) // tp}
+        return {"start": start // tp, "end": stop // tp}
+
+
+def _range(node, full: int):
+    """``[start, stop)`` of a unit-step slice or narrow, non-negative; (None, None) if strided."""
+    a = args_of(node)
+    if "length" in a:  # narrow
+        start = a["start"] % full if a["start"] < 0 else a["start"]
+        return start, start + a["length"]
+    start, stop = a["start"], a["end"]
+    if a["step"] != 1 or not isinstance(start, (int, type(None))) \
+            or not isinstance(stop, (int, type(None))):
+        return None, None
+    start = 0 if start is None else (start + full if start < 0 else start)
+    stop = full if stop is None else (stop + full if stop < 0 else min(stop, full))
+    return start, stop
+
+
+@register
+class ConcatKind(Kind):
+    name = "concat"
+    ops = frozenset({"aten.cat.default"})
+
+    def rule(self, node, lays, ctx: Context) -> Outcome:
+        dim = args_of(node)["dim"] % len(shape(node))
+        ls = [lays[(0, j)] for j in range(len(node.args[0]))]
+        if any(not isinstance(lay, Shard) for lay in ls) or len({lay.dim for lay in ls}) != 1:
+            return conflict(node, "cat of sharded and replicated tensors")
+        if ls[0].dim != dim:
+            if len(set(ls)) != 1:
+                return conflict(node, "cat of differently sharded tensors")
+            return Outcome(ls[0], rule="cat (other dim)")
+        blocks = []
+        for lay, (_, a) in zip(ls, operands(node)):
+            if lay.padded:
+                return conflict(node, "cat of padded shards")
+            blocks.extend(lay.blocks or [hint(shape(a)[dim])])
+        return Outcome(Shard(dim, tuple(blocks)), rule="cat (sharded dim: blocks)")

@@ -1,0 +1,110 @@
+"""reshape and expand: ops that change the shape, not the data order.
+
+A reshape's layout follows the dims through the regrouping (``..reshape``);
+its size argument, if any, names the full size of the sharded dim and
+becomes the local one: ``view(x, [B, T, 12, 64])`` on rank r of tp=4 holding
+3 heads runs ``view(x, [B, T, 3, 64])``.
+"""
+
+from __future__ import annotations
+
+from ..graph import args_of, hint, is_symbolic, op_name, shape
+from ..reshape import map_reshape, reshape_groups
+from ...layouts import Shard
+from .base import Conflict, Context, Kind, Outcome, conflict, local_size, register, with_dim
+
+# each overload -> the name of its list-of-sizes argument (None: it has none)
+_SIZES = {
+    "aten.view.default": "size", "aten.reshape.default": "shape",
+    "aten._unsafe_view.default": "size", "aten.unflatten.int": "sizes",
+    "aten.unsqueeze.default": None, "aten.squeeze.dim": None, "aten.squeeze.dims": None,
+    "aten.squeeze.default": None, "aten.flatten.using_ints": None,
+}
+
+
+@register
+class ReshapeKind(Kind):
+    name = "reshape"
+    ops = frozenset(_SIZES)
+
+    def rule(self, node, lays, ctx: Context) -> Outcome:
+        lay = lays[(0,)]
+        src, dst = shape(node.args[0]), shape(node)
+        src_h, src_sym = [hint(d) for d in src], [is_symbolic(d) for d in src]
+        if lay.replicas > 1 and _merges_expanded_copies(node, lay, ctx):
+            d = lay.dim  # the copies of each part are split between the ranks holding it
+            src_h[d:d + 2] = [src_h[d] * src_h[d + 1]]  # [B, KV, n, T, D] -> [B, KV*n, T, D]
+            src_sym[d:d + 2] = [False]
+            lay = Shard(d)
+        res = map_reshape(lay, src_h, [hint(d) for d in dst], src_sym,
+                          [is_symbolic(d) for d in dst], ctx.tp)
+        if isinstance(res, tuple):
+            reason, extra = res
+            return Outcome(None, conflict=Conflict(node, reason, **extra))
+        return Outcome(res, rule="reshape")
+
+    def local_args(self, node, src, out, tp, divide) -> dict:
+        arg = _SIZES[op_name(node)]
+        sizes = args_of(node).get(arg) if arg else None
+        if not isinstance(out, Shard) or not isinstance(sizes, (list, tuple)):
+            return {}
+        sizes = list(sizes)
+        j = out.dim - (len(shape(node)) - len(sizes))  # unflatten's sizes cover some dims
+        if not 0 <= j < len(sizes):
+            return {}
+        sizes[j] = local_size(sizes[j], out, tp, divide)
+        return {arg: sizes}
+
+
+@register
+class ExpandKind(Kind):
+    name = "expand"
+    ops = frozenset({"aten.expand.default"})
+
+    def rule(self, node, lays, ctx: Context) -> Outcome:
+        lay = lays[(0,)]
+        src, dst = shape(node.args[0]), shape(node)
+        d = lay.dim + len(dst) - len(src)
+        if hint(dst[d]) != hint(src[lay.dim]):
+            return conflict(node, "expand along a sharded dim")
+        if lay.replicas > 1:  # broadcast copies of a part held by several ranks: split them
+            e = lay.dim + 1  # [B, KV, 1, T, D] -> [B, KV, n, T, D]
+            copies = hint(dst[d + 1]) if e < len(src) and hint(src[e]) == 1 else 0
+            one_each = lay.local_size(hint(src[lay.dim]), ctx.tp) == 1  # one K/V head per rank
+            if not one_each or copies % lay.replicas or not all(
+                    ctx.kind_of(u) == "reshape" for u in node.users):
+                return conflict(node, "expand of a dim held by groups of ranks")
+        return Outcome(with_dim(lay, d), rule="expand")
+
+    def local_args(self, node, src, out, tp, divide) -> dict:
+        sizes = list(args_of(node)["size"])
+        if not isinstance(out, Shard):
+            return {}
+        j = out.dim
+        sizes[j] = local_size(sizes[j], out, tp, divide)
+        if out.replicas > 1:  # the copies split between the replicas
+            s = sizes[j + 1]
+            sizes[j + 1] = (s if s == -1 else s // out.replicas) if isinstance(s, int) \
+                else divide(s, out.replicas)
+        return {"size": sizes}
+
+
+def _merges_expanded_copies(node, lay: Shard, ctx: Context) -> bool:
+    """Is ``node`` a reshape merging ``lay``'s dim with the next one, made by an expand
+    from size 1 (a repeat of K/V heads for grouped-query attention)?
+
+    ``[B, KV, 1, T, D] -expand-> [B, KV, n, T, D] -reshape-> [B, KV*n, T, D]``
+    """
+    src = node.args[0]
+    d = lay.dim
+    if ctx.kind_of(src) != "expand" or lay.blocks or lay.padded:
+        return False
+    before = shape(src.args[0])
+    off = len(shape(src)) - len(before)
+    if d + 1 - off >= len(before) or hint(before[d + 1 - off]) != 1:
+        return False
+    dst = [hint(x) for x in shape(node)]
+    src_h = [hint(x) for x in shape(src)]
+    merged = src_h[:d] + [src_h[d] * src_h[d + 1]] + src_h[d + 2:]
+    return reshape_groups(merged, dst) is not None and \
+        hint(shape(src)[d + 1]) % lay.replicas == 0

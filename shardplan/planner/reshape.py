@@ -1,0 +1,135 @@
+"""Where a shard lands after a row-major reshape: the algebra of dim groups.
+
+A reshape regroups runs of dims with equal products:
+``[B, T, H*D] -> [B, T, H, D]`` pairs ``(B)-(B)``, ``(T)-(T)``, ``(H*D)-(H, D)``.
+A shard of ``H*D`` by tp lands on ``H`` when every rank's part is whole
+heads, and on ``D`` never (the shard would cut every head). Blocked shards
+(a fused QKV ``[B, T, 3*H*D]``) follow block by block.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..layouts import Shard
+
+
+def map_reshape(lay: Shard, src, dst, src_sym, dst_sym, tp) -> Shard | tuple[str, dict]:
+    """Where a shard of ``src`` lands in ``dst``, or ``(why not, Conflict fields)``."""
+    groups = reshape_groups(src, dst)
+    if groups is None:
+        return "reshape groups do not match", {}
+    for (a, b), (c, e) in groups:
+        if a <= lay.dim < b:
+            break
+    if any(src_sym[a:b]) or any(dst_sym[c:e]):
+        return "reshape mixes the sharded dim with batch/sequence dims", {}
+    if lay.padded:
+        if (b - a, e - c) == (1, 1):
+            return Shard(c, None, lay.padded)
+        return "reshape of a padded dim", {}
+    parts = tp // lay.replicas
+    # the sharded group flattened into its blocks, in elements:
+    # [B, T, 3*H*D] blocks (H*D, H*D, H*D) -> flat [H*D, H*D, H*D]
+    inner = math.prod(src[lay.dim + 1:b])
+    flat = [blk * inner for _ in range(math.prod(src[a:lay.dim]))
+            for blk in (lay.blocks or [src[lay.dim]])]
+    for j in range(c, e):  # try each dst dim of the group, outermost first
+        row = dst[j] * math.prod(dst[j + 1:e])  # elements of one index along dst[c:j]
+        inner_out = math.prod(dst[j + 1:e])  # elements of one index along dst[j]
+        rows, cur, ok = [], [], True
+        for blk in flat:
+            cur.append(blk)
+            if sum(cur) == row:
+                rows.append(cur)
+                cur = []
+            elif sum(cur) > row:
+                ok = False
+                break
+        if not ok or cur or any(r != rows[0] for r in rows):
+            continue
+        if any(blk % inner_out for blk in rows[0]):
+            continue
+        counts = [blk // inner_out for blk in rows[0]]  # indices of dst[j] per block
+        if all(n == 1 for n in counts) and j < e - 1:
+            continue  # a dim enumerating the blocks, or a new size-1 dim: the shard lies inside
+        if any(n % parts for n in counts):  # the major dim carries the shard (heads): no
+            needed = tp // math.gcd(counts[0], tp) if len(counts) == 1 else 1  # moving it inward
+            return (f"split of a sharded dim into {[dst[k] for k in range(c, e)]} does not "
+                    f"divide by tp={tp} (e.g. heads not divisible by tp)",
+                    {"divisibility": True, "replicas": needed})
+        blocks = tuple(counts)
+        return Shard(j, blocks if len(blocks) > 1 else None, None, lay.replicas)
+    return f"reshape {list(src)} -> {list(dst)} cuts the shard", {}
+
+
+def reshape_groups(src, dst):
+    """Pair runs of dims with equal products: [((a, b), (c, e)), ...].
+
+    ``[B, T, H*D] -> [B, T, H, D]`` gives ``[((0, 1), (0, 1)), ((1, 2), (1, 2)),
+    ((2, 3), (2, 4))]``. Size-1 dims facing each other pair up; one that
+    appears on one side only joins the run after it (a new head dim of size 1
+    is the major dim of what follows); trailing ones join the last run.
+    """
+    groups, i, j = [], 0, 0
+    while i < len(src) or j < len(dst):
+        if i < len(src) and j < len(dst) and src[i] == 1 and dst[j] == 1:
+            groups.append(((i, i + 1), (j, j + 1)))  # a size-1 dim on both sides: kept
+            i, j = i + 1, j + 1
+            continue
+        a, c = i, j
+        while i < len(src) and src[i] == 1:
+            i += 1
+        while j < len(dst) and dst[j] == 1:
+            j += 1
+        if i == len(src) and j == len(dst):  # only size-1 dims were left
+            if groups:
+                (ga, _), (gc, _) = groups[-1]
+                groups[-1] = ((ga, i), (gc, j))
+            else:
+                groups.append(((a, i), (c, j)))
+            break
+        if i == len(src) or j == len(dst):
+            return None
+        ps, pd = src[i], dst[j]
+        i, j = i + 1, j + 1
+        while ps != pd:
+            if ps < pd and i < len(src):
+                ps *= src[i]; i += 1  # noqa: E702
+            elif pd < ps and j < len(dst):
+                pd *= dst[j]; j += 1  # noqa: E702
+            else:
+                return None
+        groups.append(((a, i), (c, j)))
+    return groups
+
+
+def keeps_last_dim(src, dst) -> bool:
+    """Does ``src -> dst`` leave the last dim whole, regrouping only the others?
+
+    ``[B, T, H*D] -> [B*T, H*D]`` does; ``[B, T, H*D] -> [B, T, H, D]`` does not.
+    """
+    groups = reshape_groups(src, dst)
+    if not groups:
+        return False
+    (a, b), (c, e) = groups[-1]
+    return b - a == 1 and e - c == 1
+
+
+def group_blocks(lay: Shard, sizes: list[int]):
+    """Split a sharded dim's blocks into consecutive groups of the given sizes.
+
+    Blocks ``(H, H, H)`` split as ``[H, 2*H]`` give ``[(H,), (H, H)]``.
+    """
+    if lay.padded:
+        return None
+    blocks = list(lay.blocks or [sum(sizes)])
+    groups = []
+    for s in sizes:
+        g = []
+        while blocks and sum(g) < s:
+            g.append(blocks.pop(0))
+        if sum(g) != s:
+            return None
+        groups.append(tuple(g))
+    return groups

@@ -1,0 +1,113 @@
+"""Transitions: every layout change in an annotated graph, and what realises it.
+
+The engine (``annotate``) ends with the list; the rewriter executes it, and
+the plan's collectives, the ledger tests and any cost model read it. One
+``Transition`` is one value changing layout on its way to some consumers:
+
+======================  =============  ===========  ============  ==========
+purpose                 before -> after  forward      backward      Megatron
+======================  =============  ===========  ============  ==========
+``F``                   R -> R         none         all_reduce    f
+``G``                   P -> R         all_reduce   none          g
+``SPLIT``               R -> S(d)      local_slice  none (*)      split
+``GATHER_OUTPUT``       S(d) -> R      all_gather   local_slice   gather_output
+``REPLICA_GRAD``        S(d|xr)        none         replica_sum   (GQA K/V)
+``VOCAB_LOSS``          S(1) -> R      3 all_reduce none          vocab-parallel CE
+======================  =============  ===========  ============  ==========
+
+(*) a split of a tensor that needs a gradient follows an ``F``, whose
+backward all-reduce sums the zero-padded slices' gradients. Sequence
+parallelism adds rows, not code paths: ``P -> S(seq)`` by ``reduce_scatter``
+(backward ``all_gather``) and ``S(seq) -> R`` by ``all_gather`` (backward
+``reduce_scatter``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import StrEnum
+
+import torch
+import torch.fx as fx
+
+from .graph import hint
+
+
+class Collective(StrEnum):
+    """How ranks exchange data for one side (forward or backward) of a transition."""
+
+    NONE = "none"
+    LOCAL_SLICE = "local_slice"  # keep this rank's part: no communication
+    ALL_REDUCE = "all_reduce"
+    REDUCE_SCATTER = "reduce_scatter"  # sequence parallel's g
+    ALL_GATHER = "all_gather"
+    REPLICA_SUM = "replica_sum"  # all-reduce of a zero-padded full-size buffer
+
+    @property
+    def communicates(self) -> bool:
+        return self not in (Collective.NONE, Collective.LOCAL_SLICE)
+
+    @property
+    def c10d(self) -> str:
+        """The process-group collective it runs (what a ledger records)."""
+        return "all_reduce" if self is Collective.REPLICA_SUM else self.value
+
+
+class Purpose(StrEnum):
+    """Why a transition exists (the plan's ``CollectiveEntry.purpose``)."""
+
+    F = "f"  # a replicated tensor enters a region: sum its gradient
+    G = "g"  # a partial sum leaves a region
+    SPLIT = "split"  # a replicated activation read as this rank's part
+    GATHER_OUTPUT = "gather_output"  # a sharded graph output made whole
+    REPLICA_GRAD = "replica_grad"  # a parameter part held by several ranks: sum its gradient
+    VOCAB_LOSS = "vocab_loss"  # cross-entropy over logits split along the classes
+
+
+@dataclass(frozen=True)
+class Transition:
+    """``src``'s value changes from ``before`` to ``after`` for ``consumers``.
+
+    ``consumers`` are ``(node, operand path)`` edges of the annotated graph
+    (path ``None``: every operand of that node that reads ``src``).
+    ``messages`` are the shapes (full sizes, example values for symbolic
+    dims) of the collectives that realise it, in order; ``dtype`` is theirs.
+    """
+
+    purpose: Purpose
+    src: fx.Node
+    consumers: tuple[tuple[fx.Node, tuple | None], ...]
+    before: object  # Layout
+    after: object  # Layout
+    forward: Collective
+    backward: Collective
+    messages: tuple[tuple[int, ...], ...] = ()
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def direction(self) -> str | None:
+        """The pass that communicates ("forward" or "backward"), None for a local one."""
+        if self.forward.communicates:
+            return "forward"
+        return "backward" if self.backward.communicates else None
+
+    @property
+    def collective(self) -> Collective:
+        """The communicating side's collective (NONE for a local transition)."""
+        return self.forward if self.forward.communicates else self.backward
+
+    @property
+    def elements(self) -> list[int]:
+        return [math.prod(m) for m in self.messages]
+
+
+def message(node: fx.Node) -> tuple[int, ...]:
+    """The full shape of the tensor ``node`` makes, symbolic dims at their example value."""
+    v = node.meta.get("val")
+    return tuple(hint(d) for d in v.shape) if isinstance(v, torch.Tensor) else (0,)
+
+
+def dtype_of(node: fx.Node) -> torch.dtype:
+    v = node.meta.get("val")
+    return v.dtype if isinstance(v, torch.Tensor) else torch.float32
