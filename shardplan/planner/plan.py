@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 from pydantic import BaseModel, Field
 
+from . import blocks
 from .capture import Captured, capture, module_of, source_of
 from .annotate import Annotation, annotate
 from .inputs import check_dtypes, check_model_arg, example_args
@@ -229,22 +230,20 @@ class _Stamp:
     """Block 1's decisions, stamped onto blocks 2..N-1 of lists captured with two blocks."""
 
     def __init__(self, truncated: dict[str, tuple[int, int]]):
-        self.patterns = [(re.compile(rf"^({re.escape(k)}\.)(\d+)(\.|$)"), n)
-                         for k, (_, n) in truncated.items()]
+        self.lengths = {path: n for path, (_, n) in truncated.items()}
 
     def origin(self, name: str) -> str:
         """The captured name standing for ``name`` (block k >= 2 -> block 1)."""
-        for pat, _ in self.patterns:
-            m = pat.match(name)
-            if m and int(m.group(2)) >= 2:
-                return pat.sub(r"\g<1>1\g<3>", name, count=1)
+        for path in self.lengths:
+            i = blocks.index_in(name, path)
+            if i is not None and i >= 2:
+                return blocks.with_index(name, path, 1)
         return name
 
     def _copies(self, name: str) -> list[str]:
-        for pat, n in self.patterns:
-            m = pat.match(name)
-            if m and m.group(2) == "1":
-                return [pat.sub(rf"\g<1>{i}\g<3>", name, count=1) for i in range(2, n)]
+        for path, n in self.lengths.items():
+            if blocks.index_in(name, path) == 1:
+                return [blocks.with_index(name, path, i) for i in range(2, n)]
         return []
 
     def entries(self, items: list) -> list:
