@@ -10,7 +10,6 @@ disagree with the runtime.
 from __future__ import annotations
 
 import math
-import re
 
 import torch
 import torch.nn as nn
