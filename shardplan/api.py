@@ -16,7 +16,7 @@ from .sharded import ShardedModule
 def parallelize(model: nn.Module, tp: int | None = None, *, group=None, mesh=None,
                 example_inputs=None, rules="megatron", gather_output: bool = True,
                 strict: bool = False, check_model: bool = True,
-                recompute=False) -> ShardedModule:
+                recompute=False, sequence_parallel: bool = False) -> ShardedModule:
     """Megatron tensor parallelism for ``model`` over a process group.
 
     Returns a module with the same call signature holding only this rank's
@@ -29,6 +29,10 @@ def parallelize(model: nn.Module, tp: int | None = None, *, group=None, mesh=Non
     would train silently wrong. ``recompute`` recomputes activations in
     backward per block instead of keeping them: ``True`` for every element of
     every ``nn.ModuleList`` (the layers), or module names / glob patterns.
+    ``sequence_parallel`` holds the activations between the parallel regions
+    (norms, dropouts, residual adds) on 1/tp of the sequence per rank: the
+    regions' all-reduces become reduce-scatters and all-gathers; the sequence
+    length must divide by tp.
     """
     check_model_arg(model)
     grp = _group(group, mesh)
@@ -44,7 +48,8 @@ def parallelize(model: nn.Module, tp: int | None = None, *, group=None, mesh=Non
                                "checkpoint) before parallelize, or pass check_model=False")
     example = example_args(model, example_inputs)
     sharded = ShardedModule(model, grp, load_rules(rules), example=example,
-                            gather_output=gather_output, strict=strict, recompute=recompute)
+                            gather_output=gather_output, strict=strict, recompute=recompute,
+                            sequence_parallel=sequence_parallel)
     return sharded
 
 

@@ -33,11 +33,13 @@ class ShardedModule(nn.Module):
 
     def __init__(self, source: nn.Module, group: Group, rules: RuleSet, *,
                  example: tuple[tuple, dict], gather_output: bool, strict: bool,
-                 recompute=False, captured: Captured | None = None):
+                 recompute=False, captured: Captured | None = None,
+                 sequence_parallel: bool = False):
         super().__init__()
         self._source = [source]  # a list hides it from nn.Module's registry
         self._group, self._rules = group, rules
         self._gather, self._strict = gather_output, strict
+        self.sequence_parallel = sequence_parallel
         self._graphs: dict = {}
         #: FQNs of the blocks whose activations are recomputed in backward
         self.recomputed = block_names(source, recompute) if recompute else []
@@ -140,7 +142,8 @@ class ShardedModule(nn.Module):
                 check_dtypes(captured.gm)
             finally:
                 source.train(was)
-        return annotate(captured.gm, self._group.size, self._rules, strict=self._strict), captured
+        return annotate(captured.gm, self._group.size, self._rules, strict=self._strict,
+                        sequence_parallel=self.sequence_parallel), captured
 
     def _finish(self, ann: Annotation, captured, args, kwargs) -> fx.GraphModule:
         target = _input_device(args, kwargs) or _device_of(self._source[0])

@@ -17,20 +17,27 @@ missing rule.
 The pass ends by listing the transitions (``transitions.Transition``): f
 where a replicated tensor enters a region, g after each partial result, the
 local slices, the vocab-parallel loss, the gathers of sharded outputs.
+
+With ``sequence_parallel`` a partial result that has the sequence dim is
+read as ``Shard(seq)`` (reduce-scattered): the ops between regions run on
+this rank's tokens by the same rules, and an operand is all-gathered where a
+region opens on it or where an op cannot run on the tokens alone. The
+sequence dim is the symbolic token dim of the inputs, followed by its
+symbol through every reshape and transpose.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.fx as fx
 
 from .capture import GUARDS, module_of, source_of
-from ..errors import DivisibilityError, LayoutError
+from ..errors import ConfigurationError, DivisibilityError, LayoutError
 from ..layouts import Partial, Replicate, Shard
-from .graph import args_of, describe, floating, hint, op_name, operands, shape
+from .graph import args_of, describe, floating, hint, op_name, operand, operands, shape
 from .kinds import KINDS, Conflict, Context, Outcome, Role
 from .kinds.base import any_sharded, replicated_like
 from .kinds.factors import labels
@@ -55,9 +62,26 @@ class Annotation:
     warnings: list  # openers kept replicated for a reason other than a non-closing region
     rules: RuleSet
     transitions: list  # [Transition], in the order the rewriter meets them
+    # sequence parallelism: partial node -> the Shard(seq) it is reduce-scattered to;
+    # (consumer, operand path) -> the Shard(seq) all-gathered for it; node -> its seq dims
+    scattered: dict = field(default_factory=dict)
+    gathered: dict = field(default_factory=dict)
+    seq_dims: dict = field(default_factory=dict)
+
+    def read(self, node: fx.Node, consumer: fx.Node | None = None, path=None):
+        """The layout ``consumer`` reads of ``node`` (after its g, scatter or gather)."""
+        if (consumer, path) in self.gathered:
+            return R
+        return self.scattered.get(node) or read_as(self.layouts.get(node))
+
+    def on_tokens(self, node: fx.Node, lay=None) -> bool:
+        """Is ``node``'s layout (or ``lay``) a shard of its sequence dim?"""
+        lay = self.layouts.get(node) if lay is None else lay
+        return isinstance(lay, Shard) and lay.dim in self.seq_dims.get(node, ())
 
 
-def annotate(gm: fx.GraphModule, tp: int, rules: RuleSet, *, strict: bool = False) -> Annotation:
+def annotate(gm: fx.GraphModule, tp: int, rules: RuleSet, *, strict: bool = False,
+             sequence_parallel: bool = False) -> Annotation:
     """Layouts and transitions for every node of ``gm`` under tensor parallelism ``tp``.
 
     Openers whose regions reach an op that cannot run locally are kept
@@ -69,9 +93,10 @@ def annotate(gm: fx.GraphModule, tp: int, rules: RuleSet, *, strict: bool = Fals
     params = dict(gm.named_parameters(remove_duplicate=False))
     disabled: dict = {}  # opener -> (reason, warn)
     replicas: dict = {}  # opener -> (replicas, the divisibility conflict that asked for them)
+    seq_dims = sequence_dims(gm) if sequence_parallel else {}
     while True:
         ann, conflicts = _Pass(gm, tp, rules, params, disabled,
-                               {o: r for o, (r, _) in replicas.items()}).run()
+                               {o: r for o, (r, _) in replicas.items()}, seq_dims).run()
         if not conflicts:
             break
         retry = False
@@ -111,10 +136,13 @@ def read_as(lay):
 
 
 class _Pass:
-    def __init__(self, gm, tp, rules: RuleSet, params, disabled, replicas):
+    def __init__(self, gm, tp, rules: RuleSet, params, disabled, replicas, seq_dims):
         self.gm, self.tp, self.rules, self.params, self.disabled = gm, tp, rules, params, disabled
         self.ctx = Context(tp, rules)
         self.replicas = replicas
+        self.seq_dims = seq_dims  # empty unless sequence parallel
+        self.scattered: dict = {}
+        self.gathered: dict = {}
         self.layouts: dict = {}
         self.origins: dict = {}  # node -> frozenset of opener nodes its layout derives from
         self.outcomes: dict = {}
@@ -128,7 +156,8 @@ class _Pass:
             self._visit(node)
         ann = Annotation(self.gm, self.tp, self.layouts, self.outcomes,
                          {t: lay for t, (lay, _) in self.param_layouts.items()},
-                         self.grad, {}, [], self.rules, [])
+                         self.grad, {}, [], self.rules, [],
+                         self.scattered, self.gathered, self.seq_dims)
         return ann, self.conflicts
 
     # ----------------------------------------------------------------- per node
@@ -155,6 +184,9 @@ class _Pass:
         self._params_needed(node, ins, outcome, origins)
         self.outcomes[node] = outcome
         self.layouts[node] = outcome.out
+        dims = self.seq_dims.get(node, ())
+        if isinstance(outcome.out, Partial) and len(dims) == 1:
+            self.scattered[node] = Shard(next(iter(dims)))
         if outcome.role is Role.COLUMN:
             origins = origins | {node}
         self.origins[node] = origins if any_sharded(read_as(outcome.out)) else frozenset()
@@ -175,9 +207,27 @@ class _Pass:
                     node, f"{a.target} is needed as {have[0]} and as {need}",
                     have[1] | origins | {node}))
 
+    def _read(self, a: fx.Node):
+        return self.scattered.get(a) or read_as(self.layouts.get(a, R))
+
     def _rule(self, node: fx.Node, ins) -> Outcome:
+        """The rule's outcome; in sequence parallel, operands held on tokens are gathered
+        where a region opens on them or where the op cannot run on tokens alone."""
+        lays = {p: self._read(a) for p, a in ins}
+        tokens = [p for p, a in ins if isinstance(lays[p], Shard)
+                  and lays[p].dim in self.seq_dims.get(a, ())]
+        if not tokens:
+            return self._rule_on(node, lays)
+        whole = {p: R if p in tokens else lay for p, lay in lays.items()}
+        opens = op_name(node) in self.openers and node not in self.disabled
+        outcome = None if opens else self._rule_on(node, lays)
+        if outcome is None or outcome.conflict:
+            outcome = self._rule_on(node, whole)
+            self.gathered.update({(node, p): lays[p] for p in tokens})
+        return outcome
+
+    def _rule_on(self, node: fx.Node, lays: dict) -> Outcome:
         name = op_name(node)
-        lays = {p: read_as(self.layouts.get(a, R)) for p, a in ins}
         strat = self.rules.strategy
         if not any(any_sharded(lay) for lay in lays.values()):
             if name in self.openers and node not in self.disabled:
@@ -313,6 +363,60 @@ def _from_input(node: fx.Node, ctx: Context) -> bool:
     return node.op == "placeholder"
 
 
+# --------------------------------------------------------------------------- sequence dims
+
+def sequence_dims(gm: fx.GraphModule) -> dict:
+    """node -> the dims of its value whose size is the sequence length.
+
+    The sequence length is the symbolic token dim of the first integer input
+    (token ids; else the first input): its one symbolic dim, or, with batch
+    and sequence both symbolic, the one attention runs along (a softmax's
+    reduced dim, SDPA's query dim), else the last (batch-first ids).
+    """
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"
+              and isinstance(n.meta.get("val"), torch.Tensor)]
+    ints = [n for n in inputs if not n.meta["val"].is_floating_point()]
+    first = (ints or inputs or [None])[0]
+    syms = [] if first is None else [d.node.expr for d in first.meta["val"].shape
+                                     if isinstance(d, torch.SymInt)]
+    if not syms or len(set(syms)) < len(syms):
+        raise ConfigurationError(
+            "sequence_parallel=True needs a sequence dim of the inputs, and "
+            + ("the example inputs have no symbolic dim" if not syms else
+               f"the example's dims {list(first.meta['val'].shape)} share one size"),
+            where=first.name if first is not None else None,
+            fix="pass example_inputs whose batch size and sequence length differ "
+                "(e.g. batch 2, sequence 8)")
+    attended = _attended(gm)
+    seq = next((s for s in syms if s in attended), syms[-1])
+    out = {}
+    for node in gm.graph.nodes:
+        v = node.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            dims = {i for i, d in enumerate(v.shape) if isinstance(d, torch.SymInt)
+                    and d.node.expr == seq}
+            if dims:
+                out[node] = frozenset(dims)
+    return out
+
+
+def _attended(gm: fx.GraphModule) -> set:
+    """Size symbols attention runs along: softmax's reduced dim, SDPA's query dim."""
+    found = set()
+    for node in gm.graph.nodes:
+        name = op_name(node) if node.op == "call_function" else ""
+        if name in ("aten._softmax.default", "aten.softmax.int"):
+            v, d = node.meta["val"], node.args[1]
+        elif name == "aten.scaled_dot_product_attention.default":
+            v, d = node.args[0].meta["val"], -2
+        else:
+            continue
+        size = v.shape[d]
+        if isinstance(size, torch.SymInt):
+            found.add(size.node.expr)
+    return found
+
+
 # --------------------------------------------------------------------------- transitions
 
 def _transitions(ann: Annotation) -> list[Transition]:
@@ -340,10 +444,16 @@ def _transitions(ann: Annotation) -> list[Transition]:
 
     for node, o in ann.outcomes.items():
         entering = any_sharded(o.out)
+        grad_sum = Purpose.SEQ_GRAD if ann.on_tokens(node, o.out) else Purpose.F
         for path, a in operands(node):
             if path == o.bias:
                 continue
-            need, have = o.needs.get(path, R), read_as(ann.layouts.get(a))
+            if (node, path) in ann.gathered:  # its backward reduce-scatter sums the gradient
+                lay = ann.gathered[(node, path)]
+                shared(Purpose.SEQ_GATHER, a, (node, path), before=lay, after=R,
+                       forward=Collective.ALL_GATHER, backward=Collective.REDUCE_SCATTER)
+                continue
+            need, have = o.needs.get(path, R), ann.read(a)
             if not isinstance(have, Replicate):
                 continue
             if isinstance(need, Shard) and a.op == "get_attr":  # sliced when bound
@@ -352,7 +462,7 @@ def _transitions(ann: Annotation) -> list[Transition]:
                            forward=Collective.NONE, backward=Collective.REPLICA_SUM)
                 continue
             if entering and ann.requires_grad.get(a):
-                shared(Purpose.F, a, (node, path), before=R, after=R,
+                shared(grad_sum, a, (node, path), before=R, after=R,
                        forward=Collective.NONE, backward=Collective.ALL_REDUCE)
             if isinstance(need, Shard):
                 out.append(Transition(Purpose.SPLIT, a, ((node, path),), R, need,
@@ -368,13 +478,21 @@ def _transitions(ann: Annotation) -> list[Transition]:
                 o.needs[(vocab_loss.logits,)], R, Collective.ALL_REDUCE, Collective.NONE,
                 # the max logit, the sum of exps (and of logits), the target's logit
                 messages=(n, (stats * math.prod(n),), n), dtype=torch.float32))
+        elif node in ann.scattered:
+            out.append(Transition(Purpose.SEQ_SCATTER, node, tuple((u, None) for u in node.users),
+                                  Partial(), ann.scattered[node], Collective.REDUCE_SCATTER,
+                                  Collective.ALL_GATHER, (message(node),), dtype_of(node)))
+            bias = operand(node, o.bias) if o.bias is not None else None
+            if bias is not None and ann.requires_grad.get(bias):  # added per token after it
+                shared(Purpose.SEQ_GRAD, bias, (node, o.bias), before=R, after=R,
+                       forward=Collective.NONE, backward=Collective.ALL_REDUCE)
         elif isinstance(o.out, Partial):
             out.append(Transition(Purpose.G, node, tuple((u, None) for u in node.users),
                                   Partial(), R, Collective.ALL_REDUCE, Collective.NONE,
                                   (message(node),), dtype_of(node)))
     output = next(n for n in ann.gm.graph.nodes if n.op == "output")
     for a in output.all_input_nodes:
-        lay = ann.layouts.get(a)
+        lay = ann.read(a)
         if isinstance(lay, Shard):
             out.append(Transition(Purpose.GATHER_OUTPUT, a, ((output, None),), lay, R,
                                   Collective.ALL_GATHER, Collective.LOCAL_SLICE,

@@ -125,18 +125,19 @@ class Plan(BaseModel):
 
 
 def plan(model: nn.Module, tp: int, *, example_inputs=None, rules="megatron",
-         strict: bool = False) -> Plan:
+         strict: bool = False, sequence_parallel: bool = False) -> Plan:
     """The plan for ``model`` at ``tp``, with no process group and no real memory.
 
     Lists of identical blocks are captured and planned once (two blocks), and
-    their decisions stamped onto the rest.
+    their decisions stamped onto the rest. ``sequence_parallel`` holds the
+    activations between regions on 1/tp of the sequence (``annotate``).
     """
     check_model_arg(model, tp)
     ruleset = load_rules(rules)
     args, kwargs = example_args(model, example_inputs)
     captured = capture(model, args, kwargs, truncate=True)
     check_dtypes(captured.gm)
-    ann = annotate(captured.gm, tp, ruleset, strict=strict)
+    ann = annotate(captured.gm, tp, ruleset, strict=strict, sequence_parallel=sequence_parallel)
     return build_plan(model, captured, ann, ruleset, args, kwargs)
 
 
@@ -184,15 +185,17 @@ def _decisions(ann: Annotation) -> list[Decision]:
 def _collectives(transitions: list[Transition], tokens: int) -> list[CollectiveEntry]:
     out = []
     for t in transitions:
-        if t.direction is None:
-            continue
         size = torch.empty((), dtype=t.dtype).element_size()
-        for elements in t.elements:
-            out.append(CollectiveEntry(
-                kind=t.collective.c10d, direction=t.direction, purpose=t.purpose,
-                elements=elements, elements_per_token=elements / max(tokens, 1),
-                bytes=elements * size, node=t.src.name, module=module_of(t.src),
-                source=source_of(t.src)))
+        # a sequence scatter or gather communicates both ways: one entry per side
+        for direction, coll in (("forward", t.forward), ("backward", t.backward)):
+            if not coll.communicates:
+                continue
+            for elements in t.elements:
+                out.append(CollectiveEntry(
+                    kind=coll.c10d, direction=direction, purpose=t.purpose,
+                    elements=elements, elements_per_token=elements / max(tokens, 1),
+                    bytes=elements * size, node=t.src.name, module=module_of(t.src),
+                    source=source_of(t.src)))
     return out
 
 

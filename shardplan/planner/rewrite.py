@@ -19,15 +19,16 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .annotate import Annotation, read_as
+from .annotate import Annotation
 from .capture import module_of
 from .graph import args_of, op_name, operand, operands, replace_operand, set_arg, shape
 from .kinds import KINDS, Role
 from .transitions import Purpose, Transition
 from ..layouts import Shard
 from ..runtime.comm import Group
-from ..runtime.graph_ops import (CopyToRegion, GatherShard, LocalShard, ModelParallelRNG,
-                                ReduceFromRegion, SumOverReplicas, VocabCrossEntropy, VocabLookup)
+from ..runtime.graph_ops import (CopyToRegion, GatherSequence, GatherShard, LocalShard,
+                                ModelParallelRNG, ReduceFromRegion, ScatterToSequence,
+                                SumOverReplicas, VocabCrossEntropy, VocabLookup)
 
 aten = torch.ops.aten
 
@@ -64,10 +65,10 @@ class _Rewriter:
         self.shared: dict = {}  # (src, purpose) -> the node of a transition shared by consumers
         self.count: dict = {}
         self.at_edge: dict = {}  # (consumer, path) -> [Transition]
-        self.after: dict = {}  # annotated node -> its G transition
+        self.after: dict = {}  # annotated node -> its G (or sequence scatter) transition
         self.gathers: list[Transition] = []
         for t in ann.transitions:
-            if t.purpose is Purpose.G:
+            if t.purpose in (Purpose.G, Purpose.SEQ_SCATTER):
                 self.after[t.src] = t
             elif t.purpose is Purpose.GATHER_OUTPUT:
                 self.gathers.append(t)
@@ -110,7 +111,7 @@ class _Rewriter:
             elif out.role is Role.VOCAB_LOSS:
                 node = self._vocab_loss(orig, node)
             if orig in self.after:
-                self._reduce(orig, node, out)
+                self._reduce(orig, node, out, self.after[orig])
 
     # ----------------------------------------------------------------- transitions
 
@@ -123,8 +124,12 @@ class _Rewriter:
                     (value,))
         key = (t.src, t.purpose)
         if key not in self.shared:
-            if t.purpose is Purpose.F:
-                mod = self._module("f", CopyToRegion(self.group, self._site(t.src)))
+            if t.purpose in (Purpose.F, Purpose.SEQ_GRAD):
+                mod = self._module("f" if t.purpose is Purpose.F else "seq_grad",
+                                   CopyToRegion(self.group, self._site(t.src)))
+            elif t.purpose is Purpose.SEQ_GATHER:
+                mod = self._module("seq_gather",
+                                   GatherSequence(self.group, t.before.dim, self._site(t.src)))
             else:  # REPLICA_GRAD
                 mod = self._module("replica_sum", SumOverReplicas(
                     self.group, t.after.dim, t.after.replicas, self._site(t.src)))
@@ -132,8 +137,9 @@ class _Rewriter:
                 self.shared[key] = self.graph.call_module(mod, (value,))
         return self.shared[key]
 
-    def _reduce(self, orig: fx.Node, node: fx.Node, out) -> None:
-        """g after a partial result; a bias operand is added once, after g."""
+    def _reduce(self, orig: fx.Node, node: fx.Node, out, t: Transition) -> None:
+        """g (or the sequence scatter) after a partial result; a bias operand is added
+        once, after it."""
         users = list(node.users)
         bias = None
         if out.bias is not None:
@@ -147,9 +153,13 @@ class _Rewriter:
                 node = self.env[orig] = mm
             else:
                 replace_operand(node, out.bias, None)
+        if t.purpose is Purpose.SEQ_SCATTER:
+            mod = self._module("seq_scatter",
+                               ScatterToSequence(self.group, t.after.dim, self._site(node)))
+        else:
+            mod = self._module("g", ReduceFromRegion(self.group, self._site(node)))
         with self.graph.inserting_after(node):
-            g = self.graph.call_module(
-                self._module("g", ReduceFromRegion(self.group, self._site(node))), (node,))
+            g = self.graph.call_module(mod, (node,))
         last = g
         if bias is not None:
             with self.graph.inserting_after(g):
@@ -224,7 +234,7 @@ class _Rewriter:
         """Literal (or traced) sizes of the sharded dim become this rank's sizes."""
         if not orig.args or not isinstance(orig.args[0], fx.Node):
             return
-        src = read_as(self.ann.layouts.get(orig.args[0]))
+        src = self.ann.read(orig.args[0], orig, (0,))
         kind = self.ann.rules.kind(op_name(orig))
         if not isinstance(src, Shard) or kind is None:
             return

@@ -13,13 +13,20 @@ purpose                 before -> after  forward      backward      Megatron
 ``GATHER_OUTPUT``       S(d) -> R      all_gather   local_slice   gather_output
 ``REPLICA_GRAD``        S(d|xr)        none         replica_sum   (GQA K/V)
 ``VOCAB_LOSS``          S(1) -> R      3 all_reduce none          vocab-parallel CE
+``SEQ_SCATTER``         P -> S(seq)    reduce_scatter all_gather  g (sequence parallel)
+``SEQ_GATHER``          S(seq) -> R    all_gather   reduce_scatter f (sequence parallel)
+``SEQ_GRAD``            R -> R         none         all_reduce    sequence-parallel grad sum
 ======================  =============  ===========  ============  ==========
 
 (*) a split of a tensor that needs a gradient follows an ``F``, whose
 backward all-reduce sums the zero-padded slices' gradients. Sequence
-parallelism adds rows, not code paths: ``P -> S(seq)`` by ``reduce_scatter``
-(backward ``all_gather``) and ``S(seq) -> R`` by ``all_gather`` (backward
-``reduce_scatter``).
+parallelism (``annotate(..., sequence_parallel=True)``) adds the last three
+rows, not a code path: a partial result leaving a region is reduce-scattered
+along the sequence instead of all-reduced, the ops between regions run on
+this rank's tokens, and a region's replicated input is all-gathered from
+them. ``SEQ_GRAD`` is ``F``'s collective for a replicated tensor read by
+sequence-sharded ops (a norm's weight, a position embedding): each rank's
+gradient covers only its tokens, so it is summed over the ranks, once.
 """
 
 from __future__ import annotations
@@ -63,6 +70,9 @@ class Purpose(StrEnum):
     GATHER_OUTPUT = "gather_output"  # a sharded graph output made whole
     REPLICA_GRAD = "replica_grad"  # a parameter part held by several ranks: sum its gradient
     VOCAB_LOSS = "vocab_loss"  # cross-entropy over logits split along the classes
+    SEQ_SCATTER = "seq_scatter"  # a partial sum leaves a region onto the ranks' tokens
+    SEQ_GATHER = "seq_gather"  # the ranks' tokens gathered to enter a region
+    SEQ_GRAD = "seq_grad"  # a replicated tensor read per token: sum its gradient
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,13 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ..errors import ConfigurationError
 from ..layouts import Shard
 from .comm import Group
 from .layers import check_ids, vocab_lookup, vocab_range
 from .loss import vocab_parallel_cross_entropy
-from .mappings import copy_to_region, reduce_from_region
+from .mappings import (copy_to_region, gather_from_sequence, reduce_from_region,
+                       reduce_scatter_to_sequence)
 from .random import tracker_for
 
 
@@ -37,6 +39,42 @@ class ReduceFromRegion(nn.Module):
 
     def forward(self, x):
         return reduce_from_region(x, self.group, site=self.site)
+
+
+class ScatterToSequence(nn.Module):
+    """Sequence-parallel g: reduce-scatter along the sequence dim forward, all-gather
+    backward; a length tp does not divide is a ``ConfigurationError`` naming the fix."""
+
+    def __init__(self, group: Group, dim: int, site: str):
+        super().__init__()
+        self.group, self.dim, self.site = group, dim, site
+
+    def forward(self, x):
+        check_sequence(x.shape[self.dim], self.group.size, self.site)
+        return reduce_scatter_to_sequence(x, self.group, dim=self.dim, site=self.site)
+
+
+class GatherSequence(nn.Module):
+    """Sequence-parallel f: all-gather along the sequence dim forward, reduce-scatter
+    backward."""
+
+    def __init__(self, group: Group, dim: int, site: str):
+        super().__init__()
+        self.group, self.dim, self.site = group, dim, site
+
+    def forward(self, x):
+        return gather_from_sequence(x, self.group, dim=self.dim, site=self.site)
+
+
+def check_sequence(length: int, tp: int, site: str) -> None:
+    """Sequence parallelism holds length/tp tokens per rank: tp must divide the length."""
+    if length % tp:
+        raise ConfigurationError(
+            f"sequence length {length} does not divide by tp={tp} "
+            "(sequence_parallel=True holds 1/tp of the sequence on each rank)",
+            where=site,
+            fix=f"pad the sequences to a multiple of {tp} (with an attention mask and "
+                f"ignored labels), or parallelize with sequence_parallel=False")
 
 
 class VocabLookup(nn.Module):

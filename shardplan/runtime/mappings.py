@@ -9,8 +9,11 @@ each other's adjoint:
     reduce_from_region  (g)       all-reduce              identity
     scatter_to_region             keep own last-dim slice all-gather last dim
     gather_from_region            all-gather last dim     keep own slice
-    gather_from_sequence          all-gather dim 0        reduce-scatter dim 0
-    reduce_scatter_to_sequence    reduce-scatter dim 0    all-gather dim 0
+    gather_from_sequence          all-gather seq dim      reduce-scatter seq dim
+    reduce_scatter_to_sequence    reduce-scatter seq dim  all-gather seq dim
+
+The sequence mappings take the sequence dim (``dim``, default 0: Megatron's
+sequence-first layout; a batch-first ``[B, T, C]`` passes 1).
 
 Identity directions never communicate. ``site`` names the position in the
 model for the ledger; by default it is the caller's source line, and the
@@ -85,24 +88,26 @@ class _GatherFromRegion(torch.autograd.Function):
 
 class _GatherFromSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, site):
-        ctx.group, ctx.site = group, site
-        return group.all_gather(x, 0, direction="forward", site=site)
+    def forward(ctx, x, group, dim, site):
+        ctx.group, ctx.dim, ctx.site = group, dim, site
+        return group.all_gather(x, dim, direction="forward", site=site)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.group.reduce_scatter(grad, 0, direction="backward", site=ctx.site), None, None
+        return (ctx.group.reduce_scatter(grad, ctx.dim, direction="backward", site=ctx.site),
+                None, None, None)
 
 
 class _ReduceScatterToSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, site):
-        ctx.group, ctx.site = group, site
-        return group.reduce_scatter(x, 0, direction="forward", site=site)
+    def forward(ctx, x, group, dim, site):
+        ctx.group, ctx.dim, ctx.site = group, dim, site
+        return group.reduce_scatter(x, dim, direction="forward", site=site)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.group.all_gather(grad, 0, direction="backward", site=ctx.site), None, None
+        return (ctx.group.all_gather(grad, ctx.dim, direction="backward", site=ctx.site),
+                None, None, None)
 
 
 def copy_to_region(x: torch.Tensor, group, *, site: str | None = None) -> torch.Tensor:
@@ -128,14 +133,17 @@ def gather_from_region(x: torch.Tensor, group, *, site: str | None = None) -> to
     return _GatherFromRegion.apply(x, as_group(group), _site(site))
 
 
-def gather_from_sequence(x: torch.Tensor, group, *, site: str | None = None) -> torch.Tensor:
-    """All-gather along dim 0 (the sequence); backward reduce-scatters the gradient."""
-    return _GatherFromSequence.apply(x, as_group(group), _site(site))
+def gather_from_sequence(x: torch.Tensor, group, *, dim: int = 0,
+                         site: str | None = None) -> torch.Tensor:
+    """All-gather along the sequence dim ``dim``; backward reduce-scatters the gradient."""
+    return _GatherFromSequence.apply(x, as_group(group), dim, _site(site))
 
 
-def reduce_scatter_to_sequence(x: torch.Tensor, group, *, site: str | None = None) -> torch.Tensor:
-    """Sum over ranks and keep this rank's slice of dim 0; backward all-gathers."""
-    return _ReduceScatterToSequence.apply(x, as_group(group), _site(site))
+def reduce_scatter_to_sequence(x: torch.Tensor, group, *, dim: int = 0,
+                               site: str | None = None) -> torch.Tensor:
+    """Sum over ranks and keep this rank's slice of the sequence dim ``dim``; backward
+    all-gathers."""
+    return _ReduceScatterToSequence.apply(x, as_group(group), dim, _site(site))
 
 
 f = copy_to_region
