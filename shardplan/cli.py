@@ -85,9 +85,14 @@ def _tp(text: str) -> int:
     return tp
 
 
+_SP_HELP = ("hold the activations between the parallel regions on 1/tp of the sequence "
+            "(reduce-scatter/all-gather instead of all-reduce)")
+
+
 def _cmd_plan(args) -> int:
     from .planner.plan import plan
-    p = plan(build_target(args.target, meta=True), args.tp, strict=args.strict)
+    p = plan(build_target(args.target, meta=True), args.tp, strict=args.strict,
+             sequence_parallel=args.sequence_parallel)
     print(p.report())
     for path, text in ((args.json, p.to_json), (args.html, p.to_html)):
         if path:
@@ -112,7 +117,8 @@ def _cmd_diff(args) -> int:
 
 def _cmd_verify(args) -> int:
     from .verify import verify
-    report = verify(build_target(args.target, meta=False), args.tp)
+    report = verify(build_target(args.target, meta=False), args.tp,
+                    sequence_parallel=args.sequence_parallel)
     print(report)
     return 0 if report.ok else 1
 
@@ -148,12 +154,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--strict", action="store_true",
                    help="fail (LayoutError) where the rules cannot place an op, "
                         "instead of keeping that region replicated")
+    p.add_argument("--sequence-parallel", action="store_true", help=_SP_HELP)
     p.set_defaults(run=_cmd_plan)
 
     v = sub.add_parser("verify",
                        help="check sharded == unsharded on simulated CPU ranks (exit 1 if not)")
     v.add_argument("target", metavar="TARGET")
     v.add_argument("--tp", type=_tp, required=True, help="tensor-parallel size")
+    v.add_argument("--sequence-parallel", action="store_true", help=_SP_HELP)
     v.set_defaults(run=_cmd_verify)
 
     d = sub.add_parser("diff", help="what changed between two plans (JSON from plan --json)")

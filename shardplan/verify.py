@@ -62,13 +62,14 @@ class VerifyReport(BaseModel):
 
 def verify(model: nn.Module, tp: int, *, example_inputs=None, loss_fn=None,
            rules="megatron", atol: float = 1e-5, rtol: float = 1e-4,
-           train: bool = False) -> VerifyReport:
+           train: bool = False, sequence_parallel: bool = False) -> VerifyReport:
     """Compare ``parallelize(model, tp)`` on simulated ranks with ``model`` itself.
 
     ``loss_fn(output) -> scalar`` defaults to the model's own scalar output
     (a language model's loss), else the mean square of its floating outputs.
     The comparison runs in eval mode (dropout draws differ between runs);
     ``train=True`` compares in training mode, for models without dropout.
+    ``sequence_parallel`` verifies the sequence-parallel plan.
     """
     check_model_arg(model, tp)
     args, kwargs = example_args(model, example_inputs)
@@ -85,7 +86,8 @@ def verify(model: nn.Module, tp: int, *, example_inputs=None, loss_fn=None,
 
     def rank(ctx, record: bool):
         sharded = ShardedModule(copy.deepcopy(model), ctx.group, ruleset, example=(args, kwargs),
-                                gather_output=True, strict=False, captured=copy.deepcopy(captured))
+                                gather_output=True, strict=False, captured=copy.deepcopy(captured),
+                                sequence_parallel=sequence_parallel)
         values = _replay(sharded.graph_module, args, kwargs) if record else None
         o = sharded(*args, **kwargs)
         l_ = _loss(o, loss_fn)

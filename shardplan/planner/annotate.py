@@ -63,7 +63,8 @@ class Annotation:
     rules: RuleSet
     transitions: list  # [Transition], in the order the rewriter meets them
     # sequence parallelism: partial node -> the Shard(seq) it is reduce-scattered to;
-    # (consumer, operand path) -> the Shard(seq) all-gathered for it; node -> its seq dims
+    # (consumer, operand path) -> (the Shard(seq) all-gathered for it, SEQ_GATHER or
+    # SEQ_UNSHARD); node -> its seq dims
     scattered: dict = field(default_factory=dict)
     gathered: dict = field(default_factory=dict)
     seq_dims: dict = field(default_factory=dict)
@@ -223,7 +224,10 @@ class _Pass:
         outcome = None if opens else self._rule_on(node, lays)
         if outcome is None or outcome.conflict:
             outcome = self._rule_on(node, whole)
-            self.gathered.update({(node, p): lays[p] for p in tokens})
+            # into a region: its backward reduce-scatter sums the ranks' partial gradients;
+            # elsewhere the gradient is whole on every rank and each keeps its tokens'
+            purpose = Purpose.SEQ_GATHER if opens else Purpose.SEQ_UNSHARD
+            self.gathered.update({(node, p): (lays[p], purpose) for p in tokens})
         return outcome
 
     def _rule_on(self, node: fx.Node, lays: dict) -> Outcome:
@@ -448,10 +452,12 @@ def _transitions(ann: Annotation) -> list[Transition]:
         for path, a in operands(node):
             if path == o.bias:
                 continue
-            if (node, path) in ann.gathered:  # its backward reduce-scatter sums the gradient
-                lay = ann.gathered[(node, path)]
-                shared(Purpose.SEQ_GATHER, a, (node, path), before=lay, after=R,
-                       forward=Collective.ALL_GATHER, backward=Collective.REDUCE_SCATTER)
+            if (node, path) in ann.gathered:
+                lay, purpose = ann.gathered[(node, path)]
+                back = Collective.REDUCE_SCATTER if purpose is Purpose.SEQ_GATHER \
+                    else Collective.LOCAL_SLICE
+                shared(purpose, a, (node, path), before=lay, after=R,
+                       forward=Collective.ALL_GATHER, backward=back)
                 continue
             need, have = o.needs.get(path, R), ann.read(a)
             if not isinstance(have, Replicate):

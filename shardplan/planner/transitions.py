@@ -15,16 +15,18 @@ purpose                 before -> after  forward      backward      Megatron
 ``VOCAB_LOSS``          S(1) -> R      3 all_reduce none          vocab-parallel CE
 ``SEQ_SCATTER``         P -> S(seq)    reduce_scatter all_gather  g (sequence parallel)
 ``SEQ_GATHER``          S(seq) -> R    all_gather   reduce_scatter f (sequence parallel)
+``SEQ_UNSHARD``         S(seq) -> R    all_gather   local_slice   (gather, fallback)
 ``SEQ_GRAD``            R -> R         none         all_reduce    sequence-parallel grad sum
 ======================  =============  ===========  ============  ==========
 
 (*) a split of a tensor that needs a gradient follows an ``F``, whose
 backward all-reduce sums the zero-padded slices' gradients. Sequence
-parallelism (``annotate(..., sequence_parallel=True)``) adds the last three
+parallelism (``annotate(..., sequence_parallel=True)``) adds the last four
 rows, not a code path: a partial result leaving a region is reduce-scattered
 along the sequence instead of all-reduced, the ops between regions run on
 this rank's tokens, and a region's replicated input is all-gathered from
-them. ``SEQ_GRAD`` is ``F``'s collective for a replicated tensor read by
+them (``SEQ_UNSHARD`` where an op that is no region needs the whole
+sequence: its gradient is whole on every rank). ``SEQ_GRAD`` is ``F``'s collective for a replicated tensor read by
 sequence-sharded ops (a norm's weight, a position embedding): each rank's
 gradient covers only its tokens, so it is summed over the ranks, once.
 """
@@ -72,6 +74,7 @@ class Purpose(StrEnum):
     VOCAB_LOSS = "vocab_loss"  # cross-entropy over logits split along the classes
     SEQ_SCATTER = "seq_scatter"  # a partial sum leaves a region onto the ranks' tokens
     SEQ_GATHER = "seq_gather"  # the ranks' tokens gathered to enter a region
+    SEQ_UNSHARD = "seq_unshard"  # the ranks' tokens gathered for an op needing them all
     SEQ_GRAD = "seq_grad"  # a replicated tensor read per token: sum its gradient
 
 

@@ -68,6 +68,7 @@ class DemoConfig:
     lr: float = 2e-3
     weight_decay: float = 0.01
     clip: float = 1.0
+    sequence_parallel: bool = False
 
     @property
     def block(self) -> int:
@@ -97,7 +98,7 @@ def train_config(cfg: DemoConfig, data: str):
                        steps=cfg.steps, batch_size=cfg.batch // cfg.dp, seq_len=cfg.block,
                        lr=cfg.lr, warmup=cfg.warmup, clip=cfg.clip,
                        weight_decay=cfg.weight_decay, seed=cfg.seed, data=data,
-                       log_every=0, device="cpu")
+                       log_every=0, device="cpu", sequence_parallel=cfg.sequence_parallel)
 
 
 @contextlib.contextmanager
@@ -397,11 +398,15 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help=f"output folder for loss.png, plan.json, summary.* (default ./{d.out}/)")
     ap.add_argument("--seed", type=int, default=d.seed,
                     help=f"model and data seed (default {d.seed})")
+    ap.add_argument("--sequence-parallel", action="store_true",
+                    help="hold the activations between the parallel regions on 1/tp of the "
+                         "sequence")
 
 
 def config_from_args(args) -> DemoConfig:
     return DemoConfig(tp=args.tp, dp=args.dp, steps=args.steps, size=args.size,
-                      out=args.out, seed=args.seed, batch=args.batch)
+                      out=args.out, seed=args.seed, batch=args.batch,
+                      sequence_parallel=args.sequence_parallel)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -124,6 +124,9 @@ class TrainConfig:
     recompute: bool = option(False, "recompute each block's activations in backward (less "
                                     "memory, one more forward; dropout masks are redrawn "
                                     "identically)")
+    sequence_parallel: bool = option(False, "hold the activations between the parallel "
+                                            "regions on 1/tp of the sequence (the sequence "
+                                            "length must divide by tp)")
     log_every: int = option(10, "steps between log lines (0: no logging)")
     dropout: float | None = option(None, "override a bundled preset's dropout")
     device: str | None = option(None, "cpu, cuda or cuda:N (default: cuda:LOCAL_RANK when "
@@ -423,7 +426,8 @@ class Trainer:
         self.n_params = sum(p.numel() for p in model.parameters())
         example = tuple(t.to(self.device) for t in self.data.batch(0, self.dp_rank))
         self.sharded = parallelize(model, mesh=self.dims.mesh, example_inputs=example,
-                                   gather_output=False, recompute=config.recompute)
+                                   gather_output=False, recompute=config.recompute,
+                                   sequence_parallel=config.sequence_parallel)
         self.tracker = manual_seed(config.seed, self.tp_rank)
         self.optimizer = build_optimizer(self.sharded, config.lr,
                                          weight_decay=config.weight_decay)
