@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from ..layouts import Shard
 from .comm import Group
 from .layers import check_ids, vocab_range
+from .ledger import traced
 from .loss import vocab_parallel_cross_entropy
 from .mappings import copy_to_region, reduce_from_region
 from .random import tracker_for
@@ -100,6 +101,8 @@ class GatherShard(nn.Module):
         self.group, self.layout, self.full, self.site = group, layout, full, site
 
     def forward(self, x):
+        if torch.compiler.is_compiling():
+            traced(x, "all_gather", self.group.size, self.group.size, "forward", self.site)
         return _GatherShard.apply(x, self.group, self.layout, self.full, self.site)
 
 
@@ -141,6 +144,9 @@ class SumOverReplicas(nn.Module):
         self.group, self.dim, self.replicas, self.site = group, dim, replicas, site
 
     def forward(self, w):
+        if torch.compiler.is_compiling() and w.requires_grad and torch.is_grad_enabled():
+            traced(w, "all_reduce", self.group.size, self.group.size // self.replicas,
+                   "backward", self.site)
         return _SumOverReplicas.apply(w, self.group, self.dim, self.replicas, self.site)
 
 

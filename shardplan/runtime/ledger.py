@@ -89,19 +89,21 @@ def record(rec: CommRecord) -> None:
 
 @torch.library.custom_op("shardplan::record_collective", mutates_args=())
 def traced(t: torch.Tensor, kind: str, group_size: int, factor: int, direction: str,
-           site: str, op: str = "sum", element_size: int = 0) -> None:
-    """Record a compiled collective of ``t.numel() * factor`` elements of
-    ``element_size`` bytes (default: ``t``'s). A custom op with a side effect:
-    a compiled graph keeps it and calls it on every run."""
+           site: str, op: str = "sum", element_size: int = 0, times: int = 1) -> None:
+    """Record ``times`` compiled collectives of ``t.numel() * factor`` elements of
+    ``element_size`` bytes (default: ``t``'s). A custom op with a side effect: a
+    compiled graph keeps it and calls it on every run (identical calls are merged
+    into one: say ``times``)."""
     if recording():
         elements = t.numel() * factor
-        record(CommRecord(kind=kind, group_size=group_size, elements=elements,
-                          bytes=elements * (element_size or t.element_size()),
-                          direction=direction, site=site, op=op))
+        for _ in range(times):
+            record(CommRecord(kind=kind, group_size=group_size, elements=elements,
+                              bytes=elements * (element_size or t.element_size()),
+                              direction=direction, site=site, op=op))
 
 
 @traced.register_fake
-def _(t, kind, group_size, factor, direction, site, op="sum", element_size=0) -> None:
+def _(t, kind, group_size, factor, direction, site, op="sum", element_size=0, times=1) -> None:
     return None
 
 

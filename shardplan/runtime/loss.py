@@ -125,9 +125,12 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tenso
     check_ids(target, vocab_size, "vocab_parallel_cross_entropy target", ignore_index)
     if torch.compiler.is_compiling():
         site = site or "compiled"
-        for op, factor in (("max", 1), ("sum", 2 if label_smoothing else 1), ("sum", 1)):
-            ledger.traced(target, "all_reduce", group.size, factor, "forward", site, op,
-                          element_size=4)  # fp32 per-token statistics
+        # max, target logit (stacked with the logit sum when smoothing), sum of exps: fp32
+        ledger.traced(target, "all_reduce", group.size, 1, "forward", site, "max", 4)
+        if label_smoothing:
+            ledger.traced(target, "all_reduce", group.size, 2, "forward", site, "sum", 4)
+        ledger.traced(target, "all_reduce", group.size, 1, "forward", site, "sum", 4,
+                      1 if label_smoothing else 2)
     else:
         site = _site(site)
     return _VocabParallelCrossEntropy.apply(
