@@ -84,12 +84,16 @@ def unsharded(case):
                            if p.grad is not None}
 
 
-def assert_all_equal(results, case):
+def assert_all_equal(results, case, recompute=False):
     ref_loss, ref_grads = unsharded(case)
     for eager, compiled, layouts, _ in results:
         torch.testing.assert_close(compiled[0], eager[0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(compiled[0], ref_loss, atol=2e-5, rtol=1e-4)
-        assert compiled[2] == eager[2]  # the ledger records the same collectives
+        if not recompute:
+            assert compiled[2] == eager[2]  # the ledger records the same collectives
+        else:  # eager checkpoint stops recomputing early (skips a block's last g); a graph cannot
+            backward = [r for r in eager[2] if r[0][1] == "backward"]
+            assert [r for r in compiled[2] if r[0][1] == "backward"] == backward
     for name, g in ref_grads.items():
         lay = results[0][2][name]
         for which in (0, 1):  # eager, compiled
@@ -104,7 +108,7 @@ def assert_all_equal(results, case):
 @pytest.mark.parametrize("recompute", [False, True], ids=["whole", "per-block"])
 @pytest.mark.parametrize("case", ["gpt-tiny", "llama-tiny", "hf-gpt2", "hf-llama"])
 def test_compiled_equals_eager_equals_unsharded(real_ranks, case, recompute):
-    assert_all_equal(real_ranks(2).run(compiled_vs_eager, case, recompute), case)
+    assert_all_equal(real_ranks(2).run(compiled_vs_eager, case, recompute), case, recompute)
 
 
 def recompiles(ctx):
@@ -116,11 +120,12 @@ def recompiles(ctx):
     sharded = shardplan.parallelize(model, group=ctx.group, example_inputs=kw, compile=counter)
     counts = []
     for t in (8, 12, 16, 6):
-        ids = kw["idx"].repeat(1, 2)[:, :t]
+        ids = kw["idx"].repeat(1, 2)[:, :t].contiguous()
         loss_of(sharded(ids, ids)).backward()
         counts.append(counter.graphs)
     torch._dynamo.reset()
-    explained = torch._dynamo.explain(sharded.graph_module)(**kw)
+    eager = shardplan.parallelize(model, group=ctx.group, example_inputs=kw)
+    explained = torch._dynamo.explain(eager.graph_module)(**kw)
     return counts, explained.graph_count, explained.graph_break_count
 
 
@@ -157,6 +162,7 @@ def test_simulated_ranks_refuse_compile():
 
 
 def refuse_region_dropout(ctx):
+    torch.manual_seed(0)
     model = build("gpt-tiny", dropout=0.1).train()
     kw = {"idx": torch.zeros(2, 8, dtype=torch.long)}
     with pytest.raises(ConfigurationError, match="model-parallel RNG"):

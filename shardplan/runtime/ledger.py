@@ -94,6 +94,8 @@ def traced(t: torch.Tensor, kind: str, group_size: int, factor: int, direction: 
     ``element_size`` bytes (default: ``t``'s). A custom op with a side effect: a
     compiled graph keeps it and calls it on every run (identical calls are merged
     into one: say ``times``)."""
+    if direction == "backward" and torch._C._current_graph_task_id() != -1:
+        return  # a block recomputed in backward: its backward was recorded the first time
     if recording():
         elements = t.numel() * factor
         for _ in range(times):
