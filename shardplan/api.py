@@ -16,7 +16,8 @@ from .sharded import ShardedModule
 def parallelize(model: nn.Module, tp: int | None = None, *, group=None, mesh=None,
                 example_inputs=None, rules="megatron", gather_output: bool = True,
                 strict: bool = False, check_model: bool = True,
-                recompute=False, sequence_parallel: bool = False) -> ShardedModule:
+                recompute=False, sequence_parallel: bool = False,
+                compile=False) -> ShardedModule:
     """Megatron tensor parallelism for ``model`` over a process group.
 
     Returns a module with the same call signature holding only this rank's
@@ -33,6 +34,10 @@ def parallelize(model: nn.Module, tp: int | None = None, *, group=None, mesh=Non
     (norms, dropouts, residual adds) on 1/tp of the sequence per rank: the
     regions' all-reduces become reduce-scatters and all-gathers; the sequence
     length must divide by tp.
+    ``compile`` runs each rewritten graph under ``torch.compile`` with
+    ``fullgraph=True`` (``True``: inductor; or a backend name such as
+    ``"aot_eager"``): the whole graph, or each recomputed block; it needs a
+    ``torch.distributed`` process group. The plan is the same either way.
     """
     check_model_arg(model)
     grp = _group(group, mesh)
@@ -41,6 +46,11 @@ def parallelize(model: nn.Module, tp: int | None = None, *, group=None, mesh=Non
             f"tp={tp} but the process group has {grp.size} ranks",
             fix="pass tp equal to the group size, or a group (or mesh) of tp ranks")
     _check_devices(model)
+    if compile and not grp.traceable:
+        raise ConfigurationError(
+            f"compile={compile!r} needs a torch.distributed process group; "
+            f"{type(grp).__name__} collectives cannot be traced",
+            fix="run on real ranks (torchrun, or shardplan.ranks.RealRanks), or pass compile=False")
     if check_model:
         assert_same_across(grp, dict(model.named_parameters()),
                            what=f"{type(model).__name__} is not the same model on every rank",
@@ -49,7 +59,7 @@ def parallelize(model: nn.Module, tp: int | None = None, *, group=None, mesh=Non
     example = example_args(model, example_inputs)
     sharded = ShardedModule(model, grp, load_rules(rules), example=example,
                             gather_output=gather_output, strict=strict, recompute=recompute,
-                            sequence_parallel=sequence_parallel)
+                            sequence_parallel=sequence_parallel, compile=compile)
     return sharded
 
 

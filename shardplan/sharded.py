@@ -18,11 +18,12 @@ from .planner.annotate import Annotation, annotate
 from .planner.inputs import check_dtypes
 from .layouts import Replicate, set_spec, spec_of
 from .planner.plan import build_plan
-from .planner.recompute import block_names, outline_blocks
+from .planner.recompute import Recomputed, block_names, outline_blocks
 from .errors import CheckpointError, ConfigurationError
 from .planner.rewrite import bind, rewrite
 from .planner.rules import RuleSet
 from .runtime.comm import Group
+from .runtime.graph_ops import ModelParallelRNG
 from .planner.shards import local_tensors
 
 
@@ -33,9 +34,10 @@ class ShardedModule(nn.Module):
 
     def __init__(self, source: nn.Module, group: Group, rules: RuleSet, *,
                  example: tuple[tuple, dict], gather_output: bool, strict: bool,
-                 recompute=False, captured: Captured | None = None,
+                 recompute=False, compile=False, captured: Captured | None = None,
                  sequence_parallel: bool = False):
         super().__init__()
+        self._compile = compile  # False, or torch.compile's backend (True: inductor)
         self._source = [source]  # a list hides it from nn.Module's registry
         self._group, self._rules = group, rules
         self._gather, self._strict = gather_output, strict
@@ -151,7 +153,25 @@ class ShardedModule(nn.Module):
         if self.recomputed:
             gm = outline_blocks(gm, self.recomputed, self._group)
         bind(gm, self._tensors)
+        if self._compile:
+            compile_graph(gm, "inductor" if self._compile is True else self._compile)
         return gm
+
+
+def compile_graph(gm: fx.GraphModule, backend: str) -> None:
+    """``torch.compile`` ``gm`` in place, each unit as one graph (``fullgraph``): every
+    recomputed block when there are any (torchtitan's per-block compile; the glue
+    between blocks stays eager), else the whole graph. Batch and sequence become
+    dynamic on the first call with other sizes (one recompile)."""
+    rng = [name for name, m in gm.named_modules() if isinstance(m, ModelParallelRNG)]
+    if rng:
+        raise ConfigurationError(
+            f"compile: {rng[0]} draws from the model-parallel RNG stream (dropout inside a "
+            f"tensor-parallel region), which torch.compile cannot trace",
+            fix="train with attention/region dropout 0, call eval(), or pass compile=False")
+    blocks = [m.block for m in gm.modules() if isinstance(m, Recomputed)]
+    for unit in blocks or [gm]:
+        unit.compile(fullgraph=True, backend=backend)
 
 
 def _key(args, kwargs, training: bool):

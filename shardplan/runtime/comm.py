@@ -8,7 +8,10 @@ Every collective is recorded in the active ``CommLedger``s of its thread.
 Errors name the collective and its site in the model. A ``CommunicationError``
 a rank gets because of a peer (a peer failed, or never arrived before the
 timeout) has ``secondary = True``: the rank runners report a rank's own error
-first. ``ThreadGroup`` checks that every rank passes a tensor of the same
+first. Inside ``torch.compile`` a ``TorchGroup`` issues torch's functional
+collectives (traceable ops that inductor schedules) and records nothing: the
+mappings record compiled collectives in the ledger (see ``ledger.traced``).
+``ThreadGroup`` cannot be compiled. ``ThreadGroup`` checks that every rank passes a tensor of the same
 shape and dtype to the same kind of collective. Real backends do not: gloo
 may hang or return a wrong sum; set ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` to make
 torch check every collective across ranks (an extra exchange per collective;
@@ -24,6 +27,7 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from ..errors import CommunicationError, ConfigurationError
 from . import ledger
@@ -38,6 +42,8 @@ class Group:
     def all_reduce(self, t: torch.Tensor, op: str = "sum", *,
                    direction: str = "none", site: str | None = None) -> torch.Tensor:
         """Elementwise reduction (``sum`` or ``max``) over the group; returns a new tensor."""
+        if torch.compiler.is_compiling():
+            return t.clone() if self.size == 1 else self._traced_all_reduce(t, op)
         self._log("all_reduce", t.numel(), t.element_size(), direction, site, op)
         if self.size == 1:
             return t.clone()
@@ -46,6 +52,8 @@ class Group:
     def all_gather(self, t: torch.Tensor, dim: int, *,
                    direction: str = "none", site: str | None = None) -> torch.Tensor:
         """Concatenate every rank's ``t`` along ``dim`` (rank order)."""
+        if torch.compiler.is_compiling():
+            return t.clone() if self.size == 1 else self._traced_all_gather(t, dim % t.dim())
         self._log("all_gather", t.numel() * self.size, t.element_size(), direction, site)
         if self.size == 1:
             return t.clone()
@@ -54,8 +62,10 @@ class Group:
     def reduce_scatter(self, t: torch.Tensor, dim: int, *,
                        direction: str = "none", site: str | None = None) -> torch.Tensor:
         """Sum over the group, then keep this rank's slice of ``dim``."""
-        self._log("reduce_scatter", t.numel(), t.element_size(), direction, site)
         dim = dim % t.dim()
+        if torch.compiler.is_compiling():
+            return t.clone() if self.size == 1 else self._traced_reduce_scatter(t, dim)
+        self._log("reduce_scatter", t.numel(), t.element_size(), direction, site)
         if t.shape[dim] % self.size:
             raise ConfigurationError(
                 f"reduce_scatter of dim {dim} with size {t.shape[dim]} over {self.size} ranks",
@@ -80,6 +90,8 @@ class Group:
     def device(self) -> torch.device:
         """Where tensors must live for this group's collectives."""
         return torch.device("cpu")
+
+    traceable = False  #: whether ``torch.compile`` can trace its collectives (``_traced_*``)
 
     def __deepcopy__(self, memo):
         return self  # a group is a handle on ranks, never copied with a module
@@ -138,6 +150,7 @@ class TorchGroup(Group):
                 fix="launch with torchrun and call torch.distributed.init_process_group() "
                     "first, or use shardplan.plan()/verify(), which need no process group")
         self.pg = pg
+        self._traced_pg = pg if pg is not None else dist.group.WORLD  # funcol needs a group
         self.rank = dist.get_rank(pg)
         self.size = dist.get_world_size(pg)
 
@@ -147,6 +160,17 @@ class TorchGroup(Group):
         if "nccl" in backend and "gloo" not in backend:  # NCCL alone: CUDA tensors only
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
+
+    traceable = True
+
+    def _traced_all_reduce(self, t, op):
+        return funcol.all_reduce(t, op, self._traced_pg)
+
+    def _traced_all_gather(self, t, dim):
+        return funcol.all_gather_tensor(t.contiguous(), dim, self._traced_pg)
+
+    def _traced_reduce_scatter(self, t, dim):
+        return funcol.reduce_scatter_tensor(t.contiguous(), "sum", dim, self._traced_pg)
 
     def _all_reduce(self, t, op):
         out = t.clone()

@@ -13,6 +13,7 @@ from ..errors import ConfigurationError
 from ..layouts import Shard
 from .comm import Group
 from .layers import check_ids, vocab_lookup, vocab_range
+from .ledger import traced
 from .loss import vocab_parallel_cross_entropy
 from .mappings import (copy_to_region, gather_from_sequence, reduce_from_region,
                        reduce_scatter_to_sequence)
@@ -136,6 +137,8 @@ class GatherShard(nn.Module):
         self.group, self.layout, self.full, self.site = group, layout, full, site
 
     def forward(self, x):
+        if torch.compiler.is_compiling():
+            traced(x, "all_gather", self.group.size, self.group.size, "forward", self.site)
         return _GatherShard.apply(x, self.group, self.layout, self.full, self.site)
 
 
@@ -177,6 +180,9 @@ class SumOverReplicas(nn.Module):
         self.group, self.dim, self.replicas, self.site = group, dim, replicas, site
 
     def forward(self, w):
+        if torch.compiler.is_compiling() and w.requires_grad and torch.is_grad_enabled():
+            traced(w, "all_reduce", self.group.size, self.group.size // self.replicas,
+                   "backward", self.site)
         return _SumOverReplicas.apply(w, self.group, self.dim, self.replicas, self.site)
 
 

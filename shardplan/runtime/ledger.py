@@ -5,6 +5,12 @@
     ledger.count(kind="all_reduce", direction="forward")
 
 Ledgers are per thread, so each simulated rank keeps its own.
+
+Compiled graphs run no Python per collective. There the mappings call
+``traced`` instead, once per collective of either direction in the forward:
+an op in the graph (it never breaks it) that records when a ledger listens,
+so a compiled call records the same collectives as an eager one, those of
+the backward at forward time.
 """
 
 from __future__ import annotations
@@ -12,6 +18,9 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from dataclasses import dataclass
+
+import torch
+import torch.fx
 
 _local = threading.local()
 
@@ -76,3 +85,28 @@ def recording() -> bool:
 def record(rec: CommRecord) -> None:
     for ledger in _stack():
         ledger.records.append(rec)
+
+
+@torch.library.custom_op("shardplan::record_collective", mutates_args=())
+def traced(t: torch.Tensor, kind: str, group_size: int, factor: int, direction: str,
+           site: str, op: str = "sum", element_size: int = 0, times: int = 1) -> None:
+    """Record ``times`` compiled collectives of ``t.numel() * factor`` elements of
+    ``element_size`` bytes (default: ``t``'s). A custom op with a side effect: a
+    compiled graph keeps it and calls it on every run (identical calls are merged
+    into one: say ``times``)."""
+    if direction == "backward" and torch._C._current_graph_task_id() != -1:
+        return  # a block recomputed in backward: its backward was recorded the first time
+    if recording():
+        elements = t.numel() * factor
+        for _ in range(times):
+            record(CommRecord(kind=kind, group_size=group_size, elements=elements,
+                              bytes=elements * (element_size or t.element_size()),
+                              direction=direction, site=site, op=op))
+
+
+@traced.register_fake
+def _(t, kind, group_size, factor, direction, site, op="sum", element_size=0, times=1) -> None:
+    return None
+
+
+torch.fx.node.has_side_effect(torch.ops.shardplan.record_collective.default)

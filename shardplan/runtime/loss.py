@@ -13,6 +13,10 @@ travels in the second all-reduce, stacked with the target logit, so the
 count stays three collectives (the second of ``2N`` elements). The backward
 needs no communication: the gradient of this rank's slice is
 ``softmax - smoothed one-hot``, scaled by the incoming gradient.
+
+Under ``torch.compile`` the forward computes the softmax out of place (dynamo
+refuses a saved tensor that was mutated) and the three all-reduces are
+recorded in the ledger at trace time (``ledger.traced``).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ConfigurationError
+from . import ledger
 from .comm import Group, as_group
 from .layers import check_ids, vocab_range
 from .mappings import _site
@@ -50,9 +55,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             picked, summed = all_reduce(torch.stack([picked, summed])).unbind(0)
         else:
             picked = all_reduce(picked)
-        probs = shifted.exp_()
+        eager = not torch.compiler.is_compiling()  # a traced graph may not mutate saved tensors
+        probs = shifted.exp_() if eager else shifted.exp()
         sumexp = all_reduce(probs.sum(-1))
-        probs.div_(sumexp.unsqueeze(-1))
+        probs = probs.div_(sumexp.unsqueeze(-1)) if eager else probs / sumexp.unsqueeze(-1)
 
         lse = sumexp.log()
         loss = lse - picked
@@ -117,6 +123,16 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tenso
     if not 0.0 <= label_smoothing <= 1.0:
         raise ConfigurationError(f"label_smoothing={label_smoothing} is outside [0, 1]")
     check_ids(target, vocab_size, "vocab_parallel_cross_entropy target", ignore_index)
+    if torch.compiler.is_compiling():
+        site = site or "compiled"
+        # max, target logit (stacked with the logit sum when smoothing), sum of exps: fp32
+        ledger.traced(target, "all_reduce", group.size, 1, "forward", site, "max", 4)
+        if label_smoothing:
+            ledger.traced(target, "all_reduce", group.size, 2, "forward", site, "sum", 4)
+        ledger.traced(target, "all_reduce", group.size, 1, "forward", site, "sum", 4,
+                      1 if label_smoothing else 2)
+    else:
+        site = _site(site)
     return _VocabParallelCrossEntropy.apply(
         logits_shard, target, group, vocab_size, ignore_index, float(label_smoothing),
-        reduction, _site(site))
+        reduction, site)

@@ -18,6 +18,10 @@ sequence-first layout; a batch-first ``[B, T, C]`` passes 1).
 Identity directions never communicate. ``site`` names the position in the
 model for the ledger; by default it is the caller's source line, and the
 backward collective reports the forward call's site.
+
+Under ``torch.compile`` the same functions trace into the graph (the group
+issues functional collectives); each records its collectives of both
+directions in the ledger at forward time (``ledger.traced``).
 """
 
 from __future__ import annotations
@@ -110,40 +114,55 @@ class _ReduceScatterToSequence(torch.autograd.Function):
                 None, None, None)
 
 
+def _apply(fn, x: torch.Tensor, group, site: str | None, records, *args) -> torch.Tensor:
+    """``fn.apply(x, group, *args, site)``; compiled, first records ``fn``'s collectives:
+    ``(kind, direction, x is one rank's part)`` each."""
+    group = as_group(group)
+    if not torch.compiler.is_compiling():
+        return fn.apply(x, group, *args, _site(site))
+    site = site or "compiled"  # no frame walk in a traced graph
+    for kind, direction, per_rank in records:
+        if direction == "forward" or (x.requires_grad and torch.is_grad_enabled()):
+            ledger.traced(x, kind, group.size, group.size if per_rank else 1, direction, site)
+    return fn.apply(x, group, *args, site)
+
+
 def copy_to_region(x: torch.Tensor, group, *, site: str | None = None) -> torch.Tensor:
     """Megatron's f: identity forward, all-reduce of the gradient backward.
 
     Place it once on a replicated tensor entering a tensor-parallel region.
     """
-    return _CopyToRegion.apply(x, as_group(group), _site(site))
+    return _apply(_CopyToRegion, x, group, site, (("all_reduce", "backward", False),))
 
 
 def reduce_from_region(x: torch.Tensor, group, *, site: str | None = None) -> torch.Tensor:
     """Megatron's g: all-reduce forward (``Partial`` -> replicated), identity backward."""
-    return _ReduceFromRegion.apply(x, as_group(group), _site(site))
+    return _apply(_ReduceFromRegion, x, group, site, (("all_reduce", "forward", False),))
 
 
 def scatter_to_region(x: torch.Tensor, group, *, site: str | None = None) -> torch.Tensor:
     """Keep this rank's slice of the last dim; backward all-gathers the gradient."""
-    return _ScatterToRegion.apply(x, as_group(group), _site(site))
+    return _apply(_ScatterToRegion, x, group, site, (("all_gather", "backward", False),))
 
 
 def gather_from_region(x: torch.Tensor, group, *, site: str | None = None) -> torch.Tensor:
     """All-gather the last dim; backward keeps this rank's slice of the gradient."""
-    return _GatherFromRegion.apply(x, as_group(group), _site(site))
+    return _apply(_GatherFromRegion, x, group, site, (("all_gather", "forward", True),))
 
 
 def gather_from_sequence(x: torch.Tensor, group, *, dim: int = 0,
                          site: str | None = None) -> torch.Tensor:
     """All-gather along the sequence dim ``dim``; backward reduce-scatters the gradient."""
-    return _GatherFromSequence.apply(x, as_group(group), dim, _site(site))
+    return _apply(_GatherFromSequence, x, group, site,
+                  (("all_gather", "forward", True), ("reduce_scatter", "backward", True)), dim)
 
 
 def reduce_scatter_to_sequence(x: torch.Tensor, group, *, dim: int = 0,
                                site: str | None = None) -> torch.Tensor:
     """Sum over ranks and keep this rank's slice of the sequence dim ``dim``; backward
     all-gathers."""
-    return _ReduceScatterToSequence.apply(x, as_group(group), dim, _site(site))
+    return _apply(_ReduceScatterToSequence, x, group, site,
+                  (("reduce_scatter", "forward", False), ("all_gather", "backward", False)), dim)
 
 
 f = copy_to_region
