@@ -126,3 +126,17 @@ def assert_megatron_layouts(model: torch.nn.Module, layouts: dict, tp: int) -> N
                 f"{name} should be split on dim {want} at tp={tp}, is {lay}"
         elif isinstance(mod, (torch.nn.LayerNorm, torch.nn.RMSNorm)) and mod.weight is not None:
             assert not isinstance(layouts[f"{mod_name}.weight"], Shard), mod_name
+
+
+def assert_megatron_plan(model: torch.nn.Module, plan, prefix: str = "") -> None:
+    """``assert_megatron_layouts`` on a ``Plan``'s layout strings, for the modules under
+    ``prefix`` (e.g. ``"blocks."``: every GEMM the fuzzer placed in a region)."""
+    if plan.tp == 1:
+        return
+    for mod_name, mod in model.named_modules():
+        if not mod_name.startswith(prefix) or not isinstance(mod, torch.nn.Linear):
+            continue
+        want = 1 if mod_name.rsplit(".", 1)[-1] in ROW_PARALLEL else 0
+        lay = plan.param(f"{mod_name}.weight").layout
+        assert lay.startswith(f"S({want}"), \
+            f"{mod_name}.weight should be split on dim {want} at tp={plan.tp}, is {lay}"

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 import shardplan
 
+from checks import assert_megatron_plan
 from fuzz_models import (TWISTS, AttnCfg, BlockCfg, MlpCfg, ModelCfg, build_model,
                          divides, example_inputs, twist_fits)
 
@@ -158,15 +159,28 @@ def supported(cfg: ModelCfg, tp: int) -> bool:
 
 
 def verify_case(cfg: ModelCfg, tp: int):
-    """``verify``'s report, or the ShardplanError it raised."""
+    """``verify``'s report, or the ShardplanError ``plan`` refused the model with.
+
+    A refusal must come at plan time: an error raised while the sharded model runs
+    (a ``CommunicationError``, a shape error) is a crash, not a refusal, and fails.
+    For a supported model, the plan must also split every GEMM the generator put in
+    a region (column-parallel in, row-parallel out), read from the model alone.
+    """
     model = build_model(cfg)
     inputs = example_inputs(cfg)
     with torch.no_grad():
         model(**inputs)  # the fuzzer's own check: the unsharded model runs
     try:
-        return shardplan.verify(model, tp, example_inputs=inputs)
+        plan = shardplan.plan(model, tp, example_inputs=inputs)
     except shardplan.ShardplanError as e:
         return e
+    if supported(cfg, tp):
+        assert_megatron_plan(model, plan, prefix="blocks.")
+    try:
+        return shardplan.verify(model, tp, example_inputs=inputs)
+    except shardplan.ShardplanError as e:
+        raise AssertionError(f"planned, then failed while running: {type(e).__name__}: {e}"
+                             f"\n{cfg}\ntp={tp}") from e
 
 
 def known_bug(cfg: ModelCfg, tp: int, refused: bool = False) -> str | None:
