@@ -2,8 +2,9 @@
 
 Checks the inputs' dtypes and token ids against the captured graph first (naming
 the module and source line), then runs the model unsharded and, on simulated
-ranks in this process, sharded; compares outputs, loss and every parameter
-gradient (shards gathered). When they differ, replays both graphs node by node
+ranks in this process, sharded; compares every rank's outputs and loss, and every
+parameter gradient: each rank's copy of a replicated one, and a shard's gathered
+value through every member of its replica groups (K/V heads shared by ranks). When they differ, replays both graphs node by node
 and names the first node whose value diverges.
 """
 
@@ -96,18 +97,27 @@ def verify(model: nn.Module, tp: int, *, example_inputs=None, loss_fn=None,
         return _detach(o), l_.detach(), grads, sharded.layouts, values, sharded.annotation
 
     results = SimulatedRanks(tp).run(rank, False)
-    outs = [_diff(f"output[{i}]", a, b) for i, (a, b) in enumerate(zip(
-        _tensors(results[0][0]), _tensors(out)))]
-    loss_diff = _diff("loss", results[0][1], loss.detach())
+    # every rank's outputs and loss, every replica's gradient: one wrong rank fails
+    want_outs = _tensors(out)
+    outs = []
+    for i, want in enumerate(want_outs):
+        got = [(r, _tensors(res[0])) for r, res in enumerate(results)]
+        outs.append(worst([_diff(f"output[{i}] on rank {r}", t[i], want) if i < len(t)
+                           else _missing(f"output[{i}] on rank {r}") for r, t in got],
+                          atol, rtol))
+    if any(len(_tensors(res[0])) != len(want_outs) for res in results):
+        outs.append(_missing("outputs (count differs)"))
+    loss_diff = worst([_diff(f"loss on rank {r}", res[1], loss.detach())
+                       for r, res in enumerate(results)], atol, rtol)
     grads = []
     for name, g in ref_grads.items():
         lay = results[0][3].get(name)
         parts = [r[2].get(name) for r in results]
         if any(p is None for p in parts):
-            grads.append(Difference(name=name, max_abs=float("inf"), max_rel=float("inf")))
+            grads.append(_missing(name))
             continue
-        full = lay.unshard(parts, g.shape[lay.dim]) if isinstance(lay, Shard) else parts[0]
-        grads.append(_diff(f"grad {name}", full, g))
+        grads.append(worst([_diff(f"grad {name}{where}", full, g)
+                            for where, full in every_copy(lay, parts, g.shape)], atol, rtol))
     ok = all(_close(d, atol, rtol) for d in [*outs, loss_diff, *grads])
     report = VerifyReport(model=type(model).__name__, tp=tp, ok=ok, atol=atol, rtol=rtol,
                           outputs=outs, loss=loss_diff, grads=grads)
@@ -116,6 +126,28 @@ def verify(model: nn.Module, tp: int, *, example_inputs=None, loss_fn=None,
         recorded = SimulatedRanks(tp).run(rank, True)
         report.first_divergent_node = _first_divergence(ref_values, recorded, atol, rtol)
     return report
+
+
+def every_copy(lay, parts: list[torch.Tensor], shape) -> list[tuple[str, torch.Tensor]]:
+    """Every rank's view of one parameter's full tensor, as ``(where, tensor)``.
+
+    A replicated tensor: each rank's copy. A shard: the full tensor from every
+    combination a replica group allows (``Shard(..., replicas=r)``: ranks j, j + r,
+    ... for each j < r), so no member of a replica group goes unchecked.
+    """
+    if isinstance(lay, Shard):
+        return [(f" (replica {j})" if lay.replicas > 1 else "",
+                 lay.unshard(parts[j:], shape[lay.dim])) for j in range(lay.replicas)]
+    return [(f" on rank {r}", p) for r, p in enumerate(parts)]
+
+
+def worst(diffs: list[Difference], atol: float, rtol: float) -> Difference:
+    """The difference that fails the tolerance (if any does), else the largest."""
+    return max(diffs, key=lambda d: (not _close(d, atol, rtol), d.max_abs))
+
+
+def _missing(name: str) -> Difference:
+    return Difference(name=name, max_abs=float("inf"), max_rel=float("inf"))
 
 
 def _loss(out, loss_fn):

@@ -12,6 +12,8 @@ from shardplan.planner.rules import load_rules
 from shardplan.runtime.ledger import CommLedger
 from shardplan.sharded import ShardedModule
 
+from checks import full_gradient
+
 
 def make_model(family: str, seed: int = 0, **cfg):
     torch.manual_seed(seed)
@@ -37,14 +39,15 @@ def reference(model, idx, tgt):
     return logits.detach(), loss.detach(), grads
 
 
-def sharded_step(ctx, model, idx, tgt, gather_output=True, captured=None):
+def sharded_step(ctx, model, idx, tgt, gather_output=True, captured=None, recompute=False):
     """One forward/backward of the parallelized model on this rank.
 
     ``captured`` (a capture made once for all ranks) skips the per-rank export.
     """
-    if captured is None:
+    if captured is None or recompute:
         sharded = shardplan.parallelize(copy.deepcopy(model), group=ctx.group,
-                                        example_inputs=(idx, tgt), gather_output=gather_output)
+                                        example_inputs=(idx, tgt), gather_output=gather_output,
+                                        recompute=recompute)
     else:
         sharded = ShardedModule(copy.deepcopy(model), ctx.group, load_rules(),
                                 example=((idx, tgt), {}), gather_output=gather_output,
@@ -57,15 +60,11 @@ def sharded_step(ctx, model, idx, tgt, gather_output=True, captured=None):
 
 
 def gather_grads(results, ref_grads):
-    """Each parameter's full gradient from every rank's shard (or rank 0's replica)."""
+    """Each parameter's full gradient from every rank's shard or replica, after checking
+    that every replica (and every member of a K/V replica group) holds the same."""
     layouts = results[0][3]
-    out = {}
-    for name, g in ref_grads.items():
-        lay = layouts[name]
-        parts = [r[2][name] for r in results]
-        out[name] = lay.unshard(parts, g.shape[lay.dim]) if isinstance(lay, shardplan.Shard) \
-            else parts[0]
-    return out
+    return {name: full_gradient(layouts[name], [r[2][name] for r in results], g.shape, name)
+            for name, g in ref_grads.items()}
 
 
 def real_rank_step(ctx, family, cfg, b, t):
@@ -73,3 +72,12 @@ def real_rank_step(ctx, family, cfg, b, t):
     model = make_model(family, **cfg)
     idx, tgt = batch(model.config.vocab_size, b, t)
     return sharded_step(ctx, model, idx, tgt)
+
+
+def real_rank_count_step(ctx, family, cfg, b, t):
+    """Two steps on one real rank: gathered logits without recomputation, and
+    vocabulary-sharded logits (``gather_output=False``) with ``recompute=True``."""
+    model = make_model(family, **cfg)
+    idx, tgt = batch(model.config.vocab_size, b, t)
+    return (sharded_step(ctx, model, idx, tgt),
+            sharded_step(ctx, model, idx, tgt, gather_output=False, recompute=True))

@@ -26,11 +26,13 @@ from hypothesis import strategies as st
 
 import shardplan
 
+from checks import assert_megatron_plan
 from fuzz_models import (TWISTS, AttnCfg, BlockCfg, MlpCfg, ModelCfg, build_model,
                          divides, example_inputs, twist_fits)
 
-# 200 examples: about 3 minutes on 2 cores (one export, ~0.9 s, each)
-EXAMPLES = int(os.environ.get("SHARDPLAN_FUZZ_EXAMPLES", "200"))
+# 40 examples: about 4 minutes on a loaded 2-core machine (plan, then verify: two exports
+# an example); 25 of the fixed set measured 138 s, 96% shardable at tp > 1
+EXAMPLES = int(os.environ.get("SHARDPLAN_FUZZ_EXAMPLES", "40"))
 RANDOM = os.environ.get("SHARDPLAN_FUZZ_RANDOM", "") not in ("", "0")
 
 # Known engine bugs the fuzzer keeps meeting. A failing example is put down to
@@ -157,16 +159,37 @@ def supported(cfg: ModelCfg, tp: int) -> bool:
     return True
 
 
+def layout_gap(cfg: ModelCfg) -> str | None:
+    """A known planner gap: the model verifies, but a region stays replicated. Each has a
+    strict xfail below; when it is fixed, that test fails and its entry here must go."""
+    if any(b.attn is not None and b.attn.kernel == "einsum" for b in cfg.blocks):
+        return "einsum attention kept replicated"
+    return None
+
+
 def verify_case(cfg: ModelCfg, tp: int):
-    """``verify``'s report, or the ShardplanError it raised."""
+    """``verify``'s report, or the ShardplanError ``plan`` refused the model with.
+
+    A refusal must come at plan time: an error raised while the sharded model runs
+    (a ``CommunicationError``, a shape error) is a crash, not a refusal, and fails.
+    For a supported model, the plan must also split every GEMM the generator put in
+    a region (column-parallel in, row-parallel out), read from the model alone.
+    """
     model = build_model(cfg)
     inputs = example_inputs(cfg)
     with torch.no_grad():
         model(**inputs)  # the fuzzer's own check: the unsharded model runs
     try:
-        return shardplan.verify(model, tp, example_inputs=inputs)
+        plan = shardplan.plan(model, tp, example_inputs=inputs)
     except shardplan.ShardplanError as e:
         return e
+    if supported(cfg, tp) and not layout_gap(cfg):
+        assert_megatron_plan(model, plan, prefix="blocks.")
+    try:
+        return shardplan.verify(model, tp, example_inputs=inputs)
+    except shardplan.ShardplanError as e:
+        raise AssertionError(f"planned, then failed while running: {type(e).__name__}: {e}"
+                             f"\n{cfg}\ntp={tp}") from e
 
 
 def known_bug(cfg: ModelCfg, tp: int, refused: bool = False) -> str | None:
@@ -273,3 +296,15 @@ def test_unsqueeze_before_the_sharded_dim(tp):
     torch.manual_seed(0)
     report = shardplan.verify(Unsqueezed(), tp, example_inputs=torch.randn(2, 3, 8))
     assert report.ok, str(report)
+
+
+EINSUM = ModelCfg(dim=16, vocab=32, blocks=(BlockCfg(
+    attn=AttnCfg(heads=2, kv_heads=2, head_dim=2, qkv="fused", bias=True, kernel="einsum"),
+    mlp=MlpCfg(hidden=16, act="swiglu", bias=False)),))
+
+
+@pytest.mark.xfail(strict=True, reason="planner gap found by the fuzzer: an einsum attention "
+                   "kernel keeps the attention replicated (layout_gap)")
+def test_einsum_attention_is_sharded():
+    plan = shardplan.plan(build_model(EINSUM), 2, example_inputs=example_inputs(EINSUM))
+    assert_megatron_plan(build_model(EINSUM), plan, prefix="blocks.")

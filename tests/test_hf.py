@@ -8,25 +8,14 @@ import torch
 pytest.importorskip("transformers", reason="the [hf] extra is not installed")
 
 from shardplan.planner.capture import capture  # noqa: E402
-from shardplan.layouts import Shard  # noqa: E402
 from shardplan.ranks import SimulatedRanks  # noqa: E402
 
+from shardplan.layouts import Shard  # noqa: E402
+
+from checks import assert_equivalent  # noqa: E402
 from hf_cases import build, full_round_trip, inputs, real_step, reference, step  # noqa: E402
 
 KINDS = ["gpt2", "llama", "bert"]
-
-
-def assert_equivalent(results, ref):
-    logits, loss, grads = ref
-    for r in results:
-        torch.testing.assert_close(r[0], logits, atol=2e-5, rtol=1e-4)
-        torch.testing.assert_close(r[1], loss, atol=2e-5, rtol=1e-4)
-    layouts = results[0][3]
-    for name, g in grads.items():
-        lay = layouts[name]
-        parts = [r[2][name] for r in results]
-        got = lay.unshard(parts, g.shape[lay.dim]) if isinstance(lay, Shard) else parts[0]
-        torch.testing.assert_close(got, g, atol=2e-5, rtol=1e-4, msg=name)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import shardplan
@@ -13,23 +13,12 @@ from shardplan.layouts import Shard
 from shardplan.ranks import SimulatedRanks
 from shardplan.models import build
 
-from planner_cases import batch, gather_grads, make_model, real_rank_step, reference, sharded_step
+from checks import (assert_equivalent, assert_grads, assert_megatron_layouts,
+                    assert_megatron_ledger, megatron_count)
+from planner_cases import (batch, make_model, real_rank_count_step, reference,
+                           sharded_step)
 
 ATOL = 2e-5
-
-
-def assert_equivalent(results, ref):
-    logits, loss, grads = ref
-    for r in results:
-        torch.testing.assert_close(r[0], logits, atol=ATOL, rtol=1e-4)
-        torch.testing.assert_close(r[1], loss, atol=ATOL, rtol=1e-4)
-    got = gather_grads(results, grads)
-    for name, g in grads.items():
-        torch.testing.assert_close(got[name], g, atol=ATOL, rtol=1e-4, msg=name)
-        lay = results[0][3][name]
-        if not isinstance(lay, Shard):  # replicas must stay identical on every rank
-            for r in results[1:]:
-                assert torch.equal(r[2][name], results[0][2][name]), name
 
 
 @st.composite
@@ -45,7 +34,10 @@ def configs(draw):
                    bias=draw(st.booleans()), fused_qkv=draw(st.booleans()),
                    tie_weights=draw(st.booleans()))
     else:
-        kv = draw(st.sampled_from([k for k in (1, 2, 4, 8) if heads % k == 0 and k % tp == 0]))
+        # K/V heads fewer than tp too: groups of ranks hold one K/V head (replicas)
+        # (a single K/V head at tp > 1 is replicated: test_single_kv_head_is_sharded)
+        kv = draw(st.sampled_from([k for k in (1, 2, 4, 8) if heads % k == 0 and (
+            k % tp == 0 or (tp % k == 0 and k > 1))]))
         cfg.update(n_layers=draw(st.integers(1, 2)), n_heads=heads, n_kv_heads=kv,
                    dim=heads * head_dim, ffn_hidden=tp * draw(st.integers(2, 12)))
     b = draw(st.integers(1, 3))
@@ -53,33 +45,112 @@ def configs(draw):
     return family, cfg, tp, b, t
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow],
+          phases=[Phase.explicit, Phase.reuse, Phase.generate])  # shrinking: minutes of exports
 @given(configs())
 def test_sharded_equals_unsharded_simulated(case):
     family, cfg, tp, b, t = case
     model = make_model(family, **cfg)
     idx, tgt = batch(cfg["vocab_size"], b, t)
     captured = capture(model, (idx, tgt))  # once for all ranks: export is the slow part
-    results = SimulatedRanks(tp).run(sharded_step, model, idx, tgt, True, captured)
-    assert_equivalent(results, reference(model, idx, tgt))
+    results = SimulatedRanks(tp).run(sharded_step, model, idx, tgt, False, captured)
+    logits, loss, grads = reference(model, idx, tgt)
+    head = "lm_head.weight" if family == "gpt" else "output.weight"
+    sharded_head = isinstance(results[0][3][head], shardplan.Shard)
+    vocab_shard = shardplan.Shard(-1, padded=-(-cfg["vocab_size"] // tp) * tp)
+    for rank, r in enumerate(results):  # gather_output=False: this rank's vocabulary slice
+        n = _real(cfg["vocab_size"], rank, tp) if sharded_head else cfg["vocab_size"]
+        want = vocab_shard.slice(logits, rank, tp) if sharded_head else logits
+        torch.testing.assert_close(r[0].narrow(-1, 0, n), want.narrow(-1, 0, n),
+                                   atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(r[1], loss, atol=2e-5, rtol=1e-4)
+    assert_grads(results[0][3], [r[2] for r in results], grads)
+    if t == 1 or cfg["vocab_size"] % tp:  # padded vocabularies: known gaps, see the two
+        return  # strict xfails test_one_token_example_... and test_padded_vocab_embedding_...
+    # what was sharded, and the communication, from the model's description alone
+    assert_megatron_layouts(model, results[0][3], tp)
+    layers, h = cfg.get("n_layer", cfg.get("n_layers")), cfg.get("n_embd", cfg.get("dim"))
+    kv = cfg.get("n_kv_heads", tp)
+    kv_weight = kv * (h // cfg.get("n_heads", 1)) * h if kv < tp else 0
+    if tp > 1:  # at tp=1 the vocabulary is not split: no embedding g or head f
+        assert_megatron_ledger([r[4] for r in results],
+                               megatron_count(layers, b, t, h, kv_weight=kv_weight), tp)
+
+
+@pytest.mark.xfail(strict=True, reason="planner gap: MQA (one K/V head) at tp > 1 keeps the "
+                   "attention replicated (RoPE's chunk of the head dim vs replica blocks)")
+def test_single_kv_head_is_sharded():
+    model = make_model("llama", n_heads=4, n_kv_heads=1)
+    p = shardplan.plan(model, 2, example_inputs=batch(64, 2, 5))
+    assert p.param("layers.0.attention.wq.weight").layout.startswith("S(0")
+    assert p.param("layers.0.attention.wk.weight").layout.startswith("S(0")
+
+
+@pytest.mark.xfail(strict=True, reason="planner gap: a padded vocabulary (35 at tp=4) keeps "
+                   "the untied token embedding replicated, with no warning")
+def test_padded_vocab_embedding_is_sharded():
+    model = make_model("llama", vocab_size=35, n_layers=1, n_heads=8, n_kv_heads=8, dim=64,
+                       ffn_hidden=36)
+    p = shardplan.plan(model, 4, example_inputs=batch(35, 3, 5))
+    assert p.param("tok_embeddings.weight").layout.startswith("S(0")
+
+
+@pytest.mark.xfail(strict=True, reason="planner gap: with a one-token example, a padded "
+                   "vocabulary's LM head is kept replicated (reshape of a padded dim)")
+def test_one_token_example_shards_a_padded_lm_head():
+    model = make_model("llama", vocab_size=61)
+    p = shardplan.plan(model, 2, example_inputs=batch(61, 2, 1))
+    assert p.param("output.weight").layout.startswith("S(0")
+
+
+def _real(vocab: int, rank: int, tp: int) -> int:
+    """How many of rank ``rank``'s vocabulary rows are real (not padding)."""
+    per = -(-vocab // tp)
+    return max(0, min(per, vocab - rank * per))
 
 
 REAL_CASES = [
     ("gpt", dict(vocab_size=61, n_head=4, n_embd=32, fused_qkv=True, tie_weights=True), 2),
     ("gpt", dict(vocab_size=64, n_head=4, n_embd=32, fused_qkv=False, tie_weights=False), 4),
     ("llama", dict(vocab_size=61, n_heads=4, n_kv_heads=2), 2),
-    ("llama", dict(vocab_size=64, n_heads=8, n_kv_heads=4, dim=64), 4),
+    ("llama", dict(vocab_size=64, n_heads=8, n_kv_heads=2, dim=64), 4),  # K/V replica groups
 ]
 
 
 @pytest.mark.real
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("family,cfg,tp", REAL_CASES)
-def test_sharded_equals_unsharded_real_gloo(real_ranks, family, cfg, tp):
-    results = real_ranks(tp).run(real_rank_step, family, cfg, 2, 5)
+def test_sharded_equals_unsharded_and_megatron_count_real_gloo(real_ranks, family, cfg, tp):
+    """On real gloo processes, whole bundled models: gathered outputs, loss and every copy
+    of every gradient equal the unsharded model's, and the ledger equals Megatron's
+    count; then with ``gather_output=False`` (each rank's logits are its vocabulary
+    slice) and ``recompute=True`` (each block's forward re-run in backward)."""
+    b, t = 2, 5
+    per_rank = real_ranks(tp).run(real_rank_count_step, family, cfg, b, t)
     model = make_model(family, **cfg)
-    idx, tgt = batch(cfg["vocab_size"], 2, 5)
-    assert_equivalent(results, reference(model, idx, tgt))
+    idx, tgt = batch(cfg["vocab_size"], b, t)
+    logits, loss, grads = ref = reference(model, idx, tgt)
+    plain, recomputed = [r[0] for r in per_rank], [r[1] for r in per_rank]
+    assert_equivalent(plain, ref)
+    assert_megatron_layouts(model, plain[0][3], tp)
+    layers, h = model.config.n_layer if family == "gpt" else model.config.n_layers, \
+        model.config.n_embd if family == "gpt" else model.config.dim
+    padded = -(-cfg["vocab_size"] // tp) * tp
+    kv = cfg.get("n_kv_heads", tp)  # K/V heads held by groups of ranks: their weight grads
+    kv_weight = kv * (h // cfg["n_heads"]) * h if kv < tp else 0
+    assert_megatron_ledger([r[4] for r in plain], megatron_count(
+        layers, b, t, h, gathered_vocab=padded, kv_weight=kv_weight), tp)
+    vocab_shard = shardplan.Shard(-1, padded=padded)
+    for rank, r in enumerate(recomputed):
+        n = _real(cfg["vocab_size"], rank, tp)
+        torch.testing.assert_close(r[0].narrow(-1, 0, n),
+                                   vocab_shard.slice(logits, rank, tp).narrow(-1, 0, n),
+                                   atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(r[1], loss, atol=2e-5, rtol=1e-4)
+    assert_grads(recomputed[0][3], [r[2] for r in recomputed], grads)
+    assert_megatron_ledger([r[4] for r in recomputed],
+                           megatron_count(layers, b, t, h, recompute=True,
+                                          kv_weight=kv_weight), tp)
 
 
 @pytest.mark.parametrize("family,extra", [("gpt", {"fused_qkv": True}), ("gpt", {"fused_qkv": False}),

@@ -124,6 +124,7 @@ def test_without_grad_blocks_run_once():
         logits, loss = s(x, y)
         want_logits, want_loss = model(x, y)
     assert calls == ["transformer.h.0"]  # called directly: no checkpoint, no recomputation
+    torch.testing.assert_close(logits, want_logits)
     torch.testing.assert_close(loss, want_loss)
 
 

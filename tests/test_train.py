@@ -25,6 +25,7 @@ from shardplan.train.optim import (build_optimizer, clip_grad_norm_, cosine_sche
                              lr_schedule)
 from shardplan.ranks import SimulatedRanks
 from shardplan.train.trainer import TokenData, TrainConfig, parse_args, resolve_checkpoint
+from checks import full_gradient
 from train_cases import (BASE, clip_dp_rank, clip_rank, reference_losses, rel_close,
                          resume_rank, torch_clip, train_rank, trainer_rank)
 
@@ -116,13 +117,8 @@ def test_clip_matches_torch(case):
         assert (want_norm > max_norm) == (max_norm < 1)  # the first case really clips
         for name, g0 in results[0][1].items():
             want = ref.get_parameter(name).grad
-            lay = layouts[name]
-            if isinstance(lay, shardplan.Shard):
-                got = lay.unshard([r[1][name] for r in results], want.shape[lay.dim])
-            else:
-                got = g0
-                for r in results[1:]:  # replicated gradients stay identical across ranks
-                    assert torch.equal(r[1][name], g0), name
+            # replicas (and members of a K/V replica group) stay identical across ranks
+            got = full_gradient(layouts[name], [r[1][name] for r in results], want.shape, name)
             atol = 1e-6 * max(want.abs().max().item(), 1e-6)  # fp32 noise of summation order
             torch.testing.assert_close(got, want, rtol=1e-5, atol=atol, msg=f"{max_norm} {name}")
 
