@@ -327,6 +327,12 @@ def export_issues(plan, target: str = "dtensor", model=None, *, example_inputs=N
     return issues
 
 
+def _need(model) -> None:
+    if model is None:
+        raise TypeError("an export needs the model (model=...): whether the target runtime computes the "
+                        "plan right depends on the model's own code, which is checked")
+
+
 def _raise(issues: list[ExportIssue], target: str) -> None:
     fatal = [i for i in issues if i.fatal]
     if not fatal:
@@ -361,6 +367,7 @@ def to_dtensor_plan(plan, *, model, local_output: bool = True, example_inputs=No
     from torch.distributed.tensor import Replicate as DReplicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+    _need(model)
     mods, issues = _analyse(plan, "dtensor", model)
     if local_output and not any(i.fatal for i in issues):
         issues += _runtime_issues(plan, mods, model, example_inputs)
@@ -398,6 +405,7 @@ def to_hf_tp_plan(plan, *, model, prefix: str | None = None, example_inputs=None
     (``LayoutError`` naming the module and source line) where a size would come
     out wrong, e.g. OPT's ``view(bsz, -1, self.num_heads, self.head_dim)``.
     """
+    _need(model)
     mods, issues = _analyse(plan, "hf", model)
     if not any(i.fatal for i in issues):
         issues += _runtime_issues(plan, mods, model, example_inputs)
