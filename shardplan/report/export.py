@@ -19,6 +19,12 @@ replicated / no decision    (no entry: the module stays as it is)
 "packed_colwise", "packed_rowwise"), keyed by module paths with ``*`` for the
 index of identical blocks ("model.layers.*.self_attn.q_proj").
 
+An export is a promise that the target runtime runs the model's own, unchanged
+code right: both functions need the model, capture it on meta as the runtime
+would run it (column layers hand it local tensors, nothing else adapts) and
+refuse, naming module and source line, where a size would come out wrong (a
+view by ``self.num_heads``, mixed layouts in one attention).
+
 What cannot be exported raises ``LayoutError`` naming every such module;
 ``export_issues(plan, target)`` lists the problems (and the notes: what is
 exported but communicates differently) without raising:
