@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -14,9 +15,39 @@ from shardplan.models import build
 VOCAB = 97  # not divisible by 2: shardplan pads, DTensor shards unevenly
 
 
-def _reference(model, idx):
+def _hf(family: str, device=None):
+    """A tiny random Hugging Face causal LM (vocabulary ``VOCAB``, 2 layers, 4 heads, 2 KV heads)."""
+    tf = pytest.importorskip("transformers", reason="the [hf] extra is not installed")
+    common = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
+                  max_position_embeddings=64, use_cache=False)
+    configs = {
+        "llama": (tf.LlamaForCausalLM, tf.LlamaConfig(num_key_value_heads=2, intermediate_size=96, **common)),
+        "mistral": (tf.MistralForCausalLM, tf.MistralConfig(num_key_value_heads=2, intermediate_size=96,
+                                                             **common)),
+        "qwen2": (tf.Qwen2ForCausalLM, tf.Qwen2Config(num_key_value_heads=2, intermediate_size=96, **common)),
+        "olmo2": (tf.Olmo2ForCausalLM, tf.Olmo2Config(num_key_value_heads=2, intermediate_size=96,
+                                                      pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                                      **common)),
+        "opt": (tf.OPTForCausalLM, tf.OPTConfig(ffn_dim=96, word_embed_proj_dim=64, pad_token_id=0,
+                                                bos_token_id=1, eos_token_id=2, **common)),
+        "bert": (tf.BertForMaskedLM, tf.BertConfig(intermediate_size=96, pad_token_id=0, **common)),
+        "gpt2": (tf.GPT2LMHeadModel, tf.GPT2Config(n_embd=64, n_head=4, n_layer=2, n_positions=64,
+                                                   vocab_size=VOCAB, bos_token_id=1, eos_token_id=2,
+                                                   use_cache=False)),
+    }
+    cls, cfg = configs[family]
+    torch.manual_seed(0)
+    with torch.device(device or "cpu"):
+        return cls(cfg).eval()  # no dropout: every rank and the reference compute the same
+
+
+def _reference(model, idx, hf=False):
     ref = copy.deepcopy(model)
-    logits, loss = ref(idx, idx)
+    if hf:
+        out = ref(input_ids=idx, labels=idx)
+        logits, loss = out.logits, out.loss
+    else:
+        logits, loss = ref(idx, idx)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
     return logits.detach(), loss.detach(), grads
@@ -44,14 +75,10 @@ def _dtensor_step(ctx, model, idx, plan, family):
             logits, loss = m(idx, idx)
             loss.backward()
         tied = m.lm_head.weight is m.transformer.wte.weight
-    else:
-        # torchtitan's way: local tensors, and the head counts the model views with
-        # set to this rank's share (done here, not in the model)
+    else:  # an HF model, unchanged: local tensors through its -1 head views
         parallelize_with_dtensor(m, mesh, plan)
-        for layer in m.layers:
-            layer.attention.n_heads //= ctx.world_size
-            layer.attention.n_kv_heads //= ctx.world_size
-        logits, loss = m(idx, idx)
+        out = m(input_ids=idx, labels=idx)
+        logits, loss = out.logits, out.loss
         loss.backward()
         tied = None
     grads = {n: _full(p.grad).detach().clone() for n, p in m.named_parameters()}
@@ -63,13 +90,13 @@ def _dtensor_step(ctx, model, idx, plan, family):
 def test_dtensor_plan_reproduces_unsharded_models_on_two_gloo_ranks(real_ranks):
     torch.manual_seed(0)
     gpt = build("gpt-tiny", fused_qkv=False, vocab_size=VOCAB)
-    llama = build("llama-tiny")
+    llama = _hf("llama")
     idx = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
     for family, model in (("gpt", gpt), ("llama", llama)):
         plan = shardplan.plan(model, 2)
-        styles = to_dtensor_plan(plan, model=model)
+        styles = to_dtensor_plan(plan, model=model, local_output=family != "gpt")
         assert styles, family
-        logits, loss, grads = _reference(model, idx)
+        logits, loss, grads = _reference(model, idx, hf=family != "gpt")
         results = real_ranks(2).run(_dtensor_step, model, idx, plan, family)
         for rank, (got_logits, got_loss, tied, got_grads) in enumerate(results):
             msg = f"{family} rank {rank}"
@@ -87,7 +114,9 @@ def test_dtensor_styles_for_the_bundled_gpt():
 
     model = build("gpt-tiny", fused_qkv=False, vocab_size=VOCAB, device="meta")
     plan = shardplan.plan(model, 2)
-    styles = to_dtensor_plan(plan, model=model)
+    with pytest.raises(shardplan.LayoutError, match=r"models/gpt.py:57: .*t.view\(B, T, self.n_head, hd\)"):
+        to_dtensor_plan(plan, model=model)  # local q/k/v viewed with the model's full head count
+    styles = to_dtensor_plan(plan, model=model, local_output=False)
     assert list(styles)[0] == "transformer.wte"  # in model order
     assert isinstance(styles["transformer.wte"], RowwiseParallel)
     assert styles["transformer.wte"].input_layouts == (Replicate(),)
@@ -97,35 +126,36 @@ def test_dtensor_styles_for_the_bundled_gpt():
         for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.c_fc"):
             s = styles[f"transformer.h.{i}.{name}"]
             assert isinstance(s, ColwiseParallel) and s.output_layouts == (Shard(-1),)
-            assert s.use_local_output
+            assert not s.use_local_output
         for name in ("attn.c_proj", "mlp.c_proj"):
             assert isinstance(styles[f"transformer.h.{i}.{name}"], RowwiseParallel)
     assert len(styles) == 2 + 2 * 6
-    assert not to_dtensor_plan(plan, local_output=False)["transformer.h.0.attn.q_proj"].use_local_output
     notes = export_issues(plan)
     assert [i.fatal for i in notes] == [False, False]  # the padded vocabulary, embedding and head
     assert all("padded vocabulary" in i.reason for i in notes)
     idx = torch.zeros(2, 8, dtype=torch.long, device="meta")
     with_loss = shardplan.plan(model, 2, example_inputs=(idx, idx))  # a vocab-parallel loss
     assert any("loss on gathered logits" in i.reason and not i.fatal for i in export_issues(with_loss))
-    assert to_dtensor_plan(with_loss).keys() == styles.keys()
+    assert to_dtensor_plan(with_loss, model=model, local_output=False).keys() == styles.keys()
 
 
 def test_fused_qkv_cannot_be_exported_and_says_why():
-    plan = shardplan.plan(build("gpt-tiny", device="meta"), 2)
+    model = build("gpt-tiny", device="meta")
+    plan = shardplan.plan(model, 2)
     with pytest.raises(shardplan.LayoutError) as e:
-        to_dtensor_plan(plan)
+        to_dtensor_plan(plan, model=model)
     text = str(e.value)
     assert "transformer.h.0.attn.c_attn" in text and "transformer.h.1.attn.c_attn" in text
     assert "S(0|32+32+32)" in text and "blocked" in text
     with pytest.raises(shardplan.LayoutError, match="two equal blocks"):
-        to_hf_tp_plan(plan)
+        to_hf_tp_plan(plan, model=model)
     fatal = [i for i in export_issues(plan, "dtensor") if i.fatal]
     assert [i.module for i in fatal] == ["transformer.h.0.attn.c_attn", "transformer.h.1.attn.c_attn"]
 
 
 def test_other_unexportable_layouts_are_named():
-    plan = shardplan.plan(build("gpt-tiny", fused_qkv=False, device="meta"), 2)
+    model = build("gpt-tiny", fused_qkv=False, device="meta")
+    plan = shardplan.plan(model, 2)
 
     def edit(name, layout):
         params = [p.model_copy(update={"layout": layout}) if p.name == name else p for p in plan.params]
@@ -133,20 +163,17 @@ def test_other_unexportable_layouts_are_named():
 
     grouped = edit("transformer.h.0.attn.k_proj.weight", "S(0|x2)")
     with pytest.raises(shardplan.LayoutError, match="group of 2 ranks"):
-        to_dtensor_plan(grouped)
+        to_dtensor_plan(grouped, model=model)
     conv1d = edit("transformer.h.0.mlp.c_fc.weight", "S(1)")
     with pytest.raises(shardplan.LayoutError, match="Conv1D"):
-        to_hf_tp_plan(conv1d)
+        to_hf_tp_plan(conv1d, model=model)
     packed = edit("transformer.h.0.mlp.c_fc.weight", "S(0|64+64)")
     packed = packed.model_copy(update={"params": [
         p.model_copy(update={"layout": "S(0|64+64)"}) if p.name == "transformer.h.0.mlp.c_fc.bias" else p
         for p in packed.params]})
-    hf = to_hf_tp_plan(packed)
-    assert hf["transformer.h.0.mlp.c_fc"] == "packed_colwise"
-    assert hf["transformer.h.1.mlp.c_fc"] == "colwise"  # blocks differ: listed by index
-    assert "transformer.h.*.mlp.c_fc" not in hf and hf["transformer.h.*.attn.q_proj"] == "colwise"
+    assert not [i for i in export_issues(packed, "hf") if i.fatal]  # packed_colwise
     with pytest.raises(shardplan.LayoutError, match="one piece"):
-        to_dtensor_plan(packed)
+        to_dtensor_plan(packed, model=model)
     wrong_type = build("gpt-tiny", fused_qkv=False, device="meta")
     wrong_type.transformer.h[0].mlp.c_fc = torch.nn.Identity()
     with pytest.raises(shardplan.LayoutError, match="Identity is not an nn.Linear"):
@@ -166,19 +193,55 @@ def test_hf_plan_for_llama_matches_transformers_own():
         "input_ids": torch.zeros(2, 8, dtype=torch.long, device="meta")})
     hf = to_hf_tp_plan(plan, model=model)
     assert hf == model.tp_plan  # lm_head colwise_gather_output, model.embed_tokens, model.layers.*
-    base = to_hf_tp_plan(plan, prefix="model")
+    base = to_hf_tp_plan(plan, model=model, prefix="model")
     assert {k: v for k, v in base.items() if k != "embed_tokens"} == dict(cfg.base_model_tp_plan)
     assert base["embed_tokens"] == "embedding_rowwise"
     assert set(hf.values()) <= set(ALL_PARALLEL_STYLES.keys())
 
 
-def test_hf_plan_for_the_bundled_llama_uses_wildcards():
-    plan = shardplan.plan(build("llama-tiny", device="meta"), 2)
-    assert to_hf_tp_plan(plan) == {
-        "tok_embeddings": "embedding_rowwise",
-        "layers.*.attention.wq": "colwise", "layers.*.attention.wk": "colwise",
-        "layers.*.attention.wv": "colwise", "layers.*.attention.wo": "rowwise",
-        "layers.*.feed_forward.w1": "colwise", "layers.*.feed_forward.w3": "colwise",
-        "layers.*.feed_forward.w2": "rowwise",
-        "output": "colwise_gather_output",
-    }
+def test_hf_plan_for_the_bundled_llama_names_its_head_count_views():
+    model = build("llama-tiny", device="meta")
+    plan = shardplan.plan(model, 2)
+    with pytest.raises(shardplan.LayoutError) as e:
+        to_hf_tp_plan(plan, model=model)
+    assert e.value.where == "layers.*.attention"
+    assert "models/llama.py:96: q = self.wq(x).view(B, T, self.n_heads, self.head_dim)" in str(e.value)
+    with pytest.raises(TypeError, match="model"):
+        plan.to_hf_tp_plan()
+
+
+def _hf_runtime_step(ctx, runs, idx):
+    """On each rank: transformers' own loader, given each exported tp_plan."""
+    import transformers as tf
+
+    out = []
+    for folder, tp_plan in runs:
+        model = tf.AutoModelForMaskedLM if "bert" in folder else tf.AutoModelForCausalLM
+        m = model.from_pretrained(folder, tp_plan=tp_plan).eval()
+        with torch.no_grad():
+            out.append(_full(m(input_ids=idx).logits).detach())
+    return out
+
+
+@pytest.mark.real
+@pytest.mark.timeout(300)
+def test_exports_run_right_in_transformers_or_are_refused(real_ranks, tmp_path):
+    idx = torch.randint(3, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    for family, line in (("opt", "modeling_opt.py:154: query_states = query_states.view(bsz, -1, self.num_heads"),
+                         ("olmo2", "modeling_olmo2.py"), ("gpt2", "Conv1D")):
+        model = _hf(family, "meta")
+        plan = shardplan.plan(model, 2)
+        with pytest.raises(shardplan.LayoutError, match=re.escape(line)):
+            to_hf_tp_plan(plan, model=model)
+    families = ("llama", "qwen2", "bert")  # Mistral's attention is Llama's: covered by it
+    runs, want = [], []
+    for family in families:
+        model = _hf(family)
+        folder = str(tmp_path / family)
+        model.save_pretrained(folder)
+        runs.append((folder, to_hf_tp_plan(shardplan.plan(model, 2), model=model)))
+        with torch.no_grad():
+            want.append(model(input_ids=idx).logits)
+    for rank, got in enumerate(real_ranks(2).run(_hf_runtime_step, runs, idx)):
+        for family, g, w in zip(families, got, want):
+            torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-4, msg=f"{family} rank {rank}")

@@ -19,6 +19,12 @@ replicated / no decision    (no entry: the module stays as it is)
 "packed_colwise", "packed_rowwise"), keyed by module paths with ``*`` for the
 index of identical blocks ("model.layers.*.self_attn.q_proj").
 
+An export is a promise that the target runtime runs the model's own, unchanged
+code right: both functions need the model, capture it on meta as the runtime
+would run it (column layers hand it local tensors, nothing else adapts) and
+refuse, naming module and source line, where a size would come out wrong (a
+view by ``self.num_heads``, mixed layouts in one attention).
+
 What cannot be exported raises ``LayoutError`` naming every such module;
 ``export_issues(plan, target)`` lists the problems (and the notes: what is
 exported but communicates differently) without raising:
@@ -48,8 +54,11 @@ does it).
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
 from dataclasses import dataclass
+
+import torch
 
 from ..errors import LayoutError
 from ..layouts import Placement, Replicate, Shard
@@ -205,11 +214,129 @@ def _check_module_type(model, m: _Module, issues: list) -> None:
         m.style = None
 
 
-def export_issues(plan, target: str = "dtensor", model=None) -> list[ExportIssue]:
-    """What cannot be exported (``fatal``) and what exports with a difference (notes)."""
+# styles whose module hands the model's code a local slice of its output / takes one as input
+_LOCAL_OUT = {"column", "packed_column"}
+_LOCAL_IN = {"row", "packed_row"}
+
+
+def _runtime_issues(plan, mods, model, example_inputs) -> list[ExportIssue]:
+    """Where the model's own code goes wrong when the exported modules hand it local tensors.
+
+    Both targets (HF's styles, DTensor's with ``use_local_output``) give the code
+    between a column and a row layer this rank's slice, and change nothing else:
+    no head count, no view size. So the model is captured twice on ``meta``: as
+    it is, annotated like the plan, and with the styled layers' weights cut to
+    their local shapes. Op by op, the second capture must make the plan's shard
+    of each tensor (or the whole tensor: computed redundantly, still right);
+    a size the model computes from a constant such as ``self.num_heads`` shows
+    up as the first op where it does not.
+    """
+    from ..layouts import Shard as _Shard
+    from ..planner.annotate import annotate
+    from ..planner.capture import capture, module_of, source_of
+    from ..planner.graph import hint, shape
+    from ..planner.inputs import example_args
+    from ..planner.rules import load_rules
+    from ..planner.shards import local_shape
+
+    tp = plan.tp
+    meta = copy.deepcopy(model).to("meta")
+    args, kwargs = example_args(meta, example_inputs)
+    args, kwargs = _to_meta(args), _to_meta(kwargs)
+    whole = capture(meta, args, kwargs, truncate=True)
+    ann = annotate(whole.gm, tp, load_rules(plan.rules))
+    for m in mods.values():
+        if m.style not in _LOCAL_OUT | _LOCAL_IN:
+            continue
+        owner = meta.get_submodule(m.path)
+        for attr, p in m.params.items():
+            local = local_shape(tuple(p.global_shape), Placement.parse(p.layout), tp)
+            setattr(owner, attr, torch.nn.Parameter(torch.empty(local, device="meta")))
+    try:
+        cut = capture(meta, args, kwargs, truncate=True)
+    except Exception as e:  # noqa: BLE001 - the model's own code refused the local shapes
+        crash = str(e).splitlines()[0] + (f" at {e.source}" if getattr(e, "source", None) else "")
+        lines: dict[str, list[str]] = {}
+        for line, module in _resized(whole.gm, ann, tp).items():
+            lines.setdefault(blocks.pattern(module), []).append(line)
+        return [ExportIssue(module, "-", "shardplan divides a size by tp here that the model's code "
+                            f"computes from a constant ({'; '.join(found)}); on the local tensors these "
+                            f"styles hand it, the model's code fails: {crash}")
+                for module, found in lines.items()] or \
+            [ExportIssue(getattr(e, "where", "(model)"), "-", "the model's own code fails on the local "
+                         f"tensors these styles hand it: {crash}")]
+
+    ops = [n for n in whole.gm.graph.nodes if n.op == "call_function"]
+    local_ops = [n for n in cut.gm.graph.nodes if n.op == "call_function"]
+    for a, b in zip(ops, local_ops):
+        where = f"{source_of(a) or a.name}"
+        if a.target != b.target:
+            return [ExportIssue(module_of(a), "-", f"with local tensors the model's code takes another "
+                                f"path at {where} ({b.target} instead of {a.target})")]
+        full = shape(a)
+        if full is None or shape(b) is None:
+            continue
+        full = tuple(hint(d) for d in full)
+        lay = ann.layouts.get(a)
+        want = local_shape(full, lay, tp) if isinstance(lay, _Shard) else full
+        got = tuple(hint(d) for d in shape(b))
+        if got not in (want, full):
+            return [ExportIssue(module_of(a), str(lay), f"the model's own code makes {list(got)} where "
+                                f"this rank's part is {list(want)}, at {where}: a size the code "
+                                "computes from a constant (a head count?) that the plan divides by tp")]
+    return []
+
+
+def _resized(gm, ann, tp: int) -> dict[str, str]:
+    """Source line -> module, for each size argument shardplan's rewrite divides by tp."""
+    from ..planner.annotate import read_as
+    from ..planner.capture import module_of, source_of
+    from ..planner.graph import args_of, op_name
+    from ..planner.kinds import KINDS
+
+    found: dict[str, str] = {}
+    for node in gm.graph.nodes:
+        kind = ann.rules.kind(op_name(node)) if node.op == "call_function" else None
+        if kind is None or not node.args or not isinstance(node.args[0], type(node)):
+            continue
+        src = read_as(ann.layouts.get(node.args[0]))
+        if not isinstance(src, Shard):
+            continue
+        old = args_of(node)
+        local = KINDS[kind].local_args(node, src, ann.layouts.get(node), tp, lambda s, by: f"{s}//{by}")
+        if any(v != old.get(k) for k, v in local.items()):
+            found.setdefault(source_of(node) or node.name, module_of(node))
+    return found
+
+
+def _to_meta(x):
+    if isinstance(x, torch.Tensor):
+        return x.to("meta")
+    if isinstance(x, dict):
+        return {k: _to_meta(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_meta(v) for v in x)
+    return x
+
+
+def export_issues(plan, target: str = "dtensor", model=None, *, example_inputs=None) -> list[ExportIssue]:
+    """What cannot be exported (``fatal``) and what exports with a difference (notes).
+
+    With ``model``, also where the model's own code would compute wrong sizes on the
+    local tensors the exported styles hand it (``_runtime_issues``).
+    """
     if target not in ("dtensor", "hf"):
         raise ValueError(f"target must be 'dtensor' or 'hf', not {target!r}")
-    return _analyse(plan, target, model)[1]
+    mods, issues = _analyse(plan, target, model)
+    if model is not None and not any(i.fatal for i in issues):
+        issues += _runtime_issues(plan, mods, model, example_inputs)
+    return issues
+
+
+def _need(model) -> None:
+    if model is None:
+        raise TypeError("an export needs the model (model=...): whether the target runtime computes the "
+                        "plan right depends on the model's own code, which is checked")
 
 
 def _raise(issues: list[ExportIssue], target: str) -> None:
@@ -221,29 +348,35 @@ def _raise(issues: list[ExportIssue], target: str) -> None:
         f"{len(fatal)} layout{'s' if len(fatal) != 1 else ''} of the plan cannot be expressed as {name}:\n"
         + "\n".join(f"    {i}" for i in fatal),
         where=", ".join(dict.fromkeys(i.module or "(model)" for i in fatal)),
-        fix="run the model with shardplan.parallelize() instead, or change the model so these layers "
-            "are plain nn.Linear / nn.Embedding with unfused weights (e.g. separate q/k/v projections)")
+        fix="run the model with shardplan.parallelize() instead, or change the model: plain nn.Linear / "
+            "nn.Embedding layers with unfused weights (separate q/k/v projections), and sizes of the "
+            "split dim read from the tensor or written -1 (view(B, T, -1, head_dim)), not a head count")
 
 
-def to_dtensor_plan(plan, *, local_output: bool = True, model=None) -> dict:
+def to_dtensor_plan(plan, *, model, local_output: bool = True, example_inputs=None) -> dict:
     """``{module FQN: ParallelStyle}`` for ``parallelize_module(model, mesh, ...)``.
 
     ``local_output=True`` (the default, as in torchtitan) hands plain local tensors
-    from column-parallel layers to the model's code: head counts the model reads
-    from attributes must then be divided by tp (``attn.n_heads //= tp``). With
-    ``local_output=False`` they stay DTensors with global shapes, so the model's
-    code needs no change, but every op between a column and a row layer must have
-    a DTensor sharding rule (on CPU: run attention under
-    ``sdpa_kernel(SDPBackend.MATH)`` and ``implicit_replication()``).
+    from column-parallel layers to the model's own code, unchanged: the export is
+    refused (``LayoutError`` naming the module and source line) where that code
+    would compute a wrong size from a constant, e.g. ``view(B, T, self.n_heads, D)``
+    (checked by capturing ``model`` on meta, with ``example_inputs`` if given). With
+    ``local_output=False`` they stay DTensors with global shapes, so sizes need no
+    change, but every op between a column and a row layer must have a DTensor
+    sharding rule (on CPU: run attention under ``sdpa_kernel(SDPBackend.MATH)`` and
+    ``implicit_replication()``).
 
-    ``model`` (optional) is checked: every styled module must be an ``nn.Linear``
-    (``nn.Embedding`` for the vocabulary). Raises ``LayoutError`` for layouts with
-    no DTensor style (see ``export_issues``).
+    Every styled module must be an ``nn.Linear`` (``nn.Embedding`` for the
+    vocabulary). Raises ``LayoutError`` for layouts with no DTensor style (see
+    ``export_issues``).
     """
     from torch.distributed.tensor import Replicate as DReplicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+    _need(model)
     mods, issues = _analyse(plan, "dtensor", model)
+    if local_output and not any(i.fatal for i in issues):
+        issues += _runtime_issues(plan, mods, model, example_inputs)
     _raise(issues, "dtensor")
     out = {}
     for m in mods.values():
@@ -263,7 +396,7 @@ _HF_STYLE = {"column": "colwise", "column_gather": "colwise_gather_output", "row
              "packed_row": "packed_rowwise"}
 
 
-def to_hf_tp_plan(plan, *, prefix: str | None = None, model=None) -> dict[str, str]:
+def to_hf_tp_plan(plan, *, model, prefix: str | None = None, example_inputs=None) -> dict[str, str]:
     """Hugging Face ``tp_plan`` strings keyed by module path, ``*`` for block indices.
 
     Keys are relative to the model the plan was made for (compare with an HF
@@ -271,8 +404,17 @@ def to_hf_tp_plan(plan, *, prefix: str | None = None, model=None) -> dict[str, s
     ``model.`` with that prefix removed (compare with ``config.base_model_tp_plan``).
     A pattern is used only where every block of the list gets the same string;
     otherwise each block is listed by its index.
+
+    HF's styles hand the model's own code local tensors and adapt nothing else
+    (no head count is divided, a ``-1`` in a view is what adapts): ``model`` is
+    captured on meta as HF would run it, and the export is refused
+    (``LayoutError`` naming the module and source line) where a size would come
+    out wrong, e.g. OPT's ``view(bsz, -1, self.num_heads, self.head_dim)``.
     """
+    _need(model)
     mods, issues = _analyse(plan, "hf", model)
+    if not any(i.fatal for i in issues):
+        issues += _runtime_issues(plan, mods, model, example_inputs)
     _raise(issues, "hf")
     styles = {m.path: _HF_STYLE[m.style] for m in mods.values() if m.style}
     # every module path the plan knows, to check a pattern covers all blocks alike
