@@ -14,7 +14,6 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
 
 import shardplan
 from shardplan.planner.capture import capture

@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 
 import shardplan
 from shardplan.planner.capture import capture
-from shardplan.layouts import Shard
 from shardplan.ranks import SimulatedRanks
 from shardplan.models import build
 

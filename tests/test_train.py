@@ -17,7 +17,6 @@ import sys
 import pytest
 import torch
 
-import shardplan
 from shardplan.planner.capture import capture
 from shardplan.errors import ConfigurationError
 from shardplan.models import build
