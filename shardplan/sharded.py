@@ -97,6 +97,15 @@ class ShardedModule(nn.Module):
         self._last = key
         return gm(*args, **kwargs)
 
+    def generate(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
+        """Greedy or sampled generation, the same tokens on every rank (collective);
+        see ``shardplan.generate.generate`` for the arguments."""
+        from .generate import generate
+        if not self._gather:
+            raise ConfigurationError("generate needs the full logits on every rank",
+                                     fix="parallelize with gather_output=True (the default)")
+        return generate(self, input_ids, group=self._group, source=self._source[0], **kwargs)
+
     def load_local_(self, tensors: dict[str, torch.Tensor]) -> None:
         """Set this rank's tensors by FQN (every alias of a tied one): copied in place
         where they exist; where they are still on ``meta`` the given tensors become the
