@@ -175,3 +175,16 @@ def test_split_checkpoint_costs_a_rank_its_shard(real_ranks, tmp_path):
         assert grown >= 0.5 * held
         assert grown <= held + largest + 16 * 2**20, (grown, held, largest, full)
         assert grown < 0.8 * full
+
+
+def pretrained(ctx, path):
+    ids = torch.tensor([[5, 6, 7, 8]])
+    sharded = ck.load_pretrained(path, group=ctx.group, example_inputs={"input_ids": ids})
+    return sharded.generate(ids, max_new_tokens=3, do_sample=False)
+
+
+def test_load_pretrained_folder_generates_like_hf(saved):
+    _, split = saved
+    expected = model().generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=3, do_sample=False)
+    for got in SimulatedRanks(2).run(pretrained, split):
+        assert torch.equal(got, expected)
