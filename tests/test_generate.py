@@ -14,6 +14,7 @@ import copy
 import functools
 
 import pytest
+import safetensors.torch
 import torch
 
 import hf_cases
@@ -130,3 +131,14 @@ def test_bundled_generate_matches_unsharded(preset, cfg):
     captured = capture(model, (ids,), {})
     for got in SimulatedRanks(2).run(sim_bundled, model, ids, captured):
         assert torch.equal(got[0], greedy) and torch.equal(got[1], sampled), (got, greedy, sampled)
+
+
+def test_cli_generates_from_a_checkpoint(tmp_path, capsys):
+    from shardplan import cli
+    torch.manual_seed(4)
+    model = build("gpt-tiny").eval()
+    safetensors.torch.save_model(model, tmp_path / "model.safetensors")
+    expected = generate(model, torch.tensor([[1, 2, 3]]), max_new_tokens=4)
+    assert cli.main(["generate", "gpt-tiny", "--tp", "2", "--prompt", "1, 2, 3",
+                     "--max-new-tokens", "4", "--checkpoint", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.split() == [str(int(t)) for t in expected[0]]
