@@ -39,13 +39,15 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
              do_sample: bool = False, temperature=_UNSET, top_k=_UNSET, top_p=_UNSET,
              eos_token_id=_UNSET, pad_token_id=_UNSET, attention_mask: torch.Tensor | None = None,
              generator: torch.Generator | None = None, group: Group | None = None,
-             source: nn.Module | None = None) -> torch.Tensor:
+             source: nn.Module | None = None, gather=None) -> torch.Tensor:
     """``input_ids`` (batch, prompt) followed by up to ``max_new_tokens`` generated tokens.
 
     ``model`` returns logits (batch, length, vocab): as a tensor, as the first
     element of a tuple (the bundled models) or as ``.logits`` (HF). ``source``
     is the module whose forward signature and ``generation_config`` apply
-    (default ``model``); ``group``: ranks that must agree on every token.
+    (default ``model``); ``group``: ranks that must agree on every token;
+    ``gather``: turns this rank's part of the last position's logits into all
+    of them (for a sharded model that keeps its output split).
     Stops early once every sequence has produced ``eos_token_id``.
     """
     source = model if source is None else source
@@ -71,7 +73,8 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
         for _ in range(max_new_tokens):
             logits = _logits(model(**_inputs(takes, ids, mask, masked)) if takes >= {"input_ids"}
                              else model(ids))
-            scores = logits[:, -1, :].to(torch.float32)
+            scores = logits[:, -1, :]
+            scores = (scores if gather is None else gather(scores)).to(torch.float32)
             token = _pick(scores, do_sample, opts, generator, group)
             if len(eos) and pad is not None:
                 token = torch.where(unfinished, token, torch.full_like(token, pad))

@@ -116,7 +116,9 @@ def sim_bundled(ctx, model, ids, captured):
                                generator=torch.Generator().manual_seed(3), **SAMPLE)
     with pytest.raises(ConfigurationError, match="attention_mask"):
         sharded.generate(ids, max_new_tokens=1, attention_mask=torch.tensor([[0, 1, 1]] * 2))
-    return greedy, sampled
+    split = ShardedModule(copy.deepcopy(model), ctx.group, load_rules(), example=((ids,), {}),
+                          gather_output=False, strict=False, captured=copy.deepcopy(captured))
+    return greedy, sampled, split.generate(ids, max_new_tokens=NEW)  # logits gathered per step
 
 
 @pytest.mark.parametrize("preset,cfg", [("gpt-tiny", dict(vocab_size=97)), ("llama-tiny", {})])
@@ -131,6 +133,7 @@ def test_bundled_generate_matches_unsharded(preset, cfg):
     captured = capture(model, (ids,), {})
     for got in SimulatedRanks(2).run(sim_bundled, model, ids, captured):
         assert torch.equal(got[0], greedy) and torch.equal(got[1], sampled), (got, greedy, sampled)
+        assert torch.equal(got[2], greedy)
 
 
 def test_cli_generates_from_a_checkpoint(tmp_path, capsys):
