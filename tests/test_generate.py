@@ -25,6 +25,7 @@ from shardplan.models import build
 from shardplan.planner.capture import capture
 from shardplan.planner.rules import load_rules
 from shardplan.ranks import SimulatedRanks
+from shardplan.runtime.ledger import CommLedger
 from shardplan.sharded import ShardedModule
 
 pytestmark = pytest.mark.timeout(180)
@@ -111,7 +112,10 @@ def test_llama_generate_at_tp4_simulated_matches_hf():
 def sim_bundled(ctx, model, ids, captured):
     sharded = ShardedModule(copy.deepcopy(model), ctx.group, load_rules(), example=((ids,), {}),
                             gather_output=True, strict=False, captured=copy.deepcopy(captured))
-    greedy = sharded.generate(ids, max_new_tokens=NEW)
+    with CommLedger() as ledger:
+        greedy = sharded.generate(ids, max_new_tokens=NEW)
+    # per token: the model's own collectives, and one broadcast of the batch's next ids
+    assert [r.elements for r in ledger.filter(kind="broadcast")] == [2] * NEW
     sampled = sharded.generate(ids, max_new_tokens=NEW,
                                generator=torch.Generator().manual_seed(3), **SAMPLE)
     with pytest.raises(ConfigurationError, match="attention_mask"):
