@@ -5,6 +5,7 @@
     shardplan verify gpt-tiny --tp 2             # sharded == unsharded, on CPU
     shardplan diff plan-tp4.json plan-tp8.json
     shardplan demo                               # train at tp=2 on gloo vs unsharded
+    shardplan generate gpt-tiny --tp 2 --prompt "1 2 3" --max-new-tokens 8
     shardplan bench                              # the benchmarks (source checkout)
 
 TARGET is a bundled preset name (see ``shardplan.models.PRESETS``), an
@@ -171,6 +172,12 @@ def parser() -> argparse.ArgumentParser:
 
     sub.add_parser("bench", help="run the benchmarks and update docs/benchmarks.md "
                                  "(arguments go to python -m benchmarks; bench --help lists them)")
+
+    from . import generate_cli
+    g = sub.add_parser("generate", help="generate from TARGET (or an HF save_pretrained folder) "
+                                        "sharded at --tp, on simulated ranks or under torchrun")
+    generate_cli.add_arguments(g, _tp)
+    g.set_defaults(run=generate_cli.run)
 
     from .train import demo
     m = sub.add_parser("demo", help=demo.DESCRIPTION)

@@ -16,7 +16,7 @@ from torch.utils import _pytree as pytree
 from .planner.capture import PLANNING_LOCK, Captured, capture
 from .planner.annotate import Annotation, annotate
 from .planner.inputs import check_dtypes
-from .layouts import Replicate, set_spec, spec_of
+from .layouts import Replicate, Shard, set_spec, spec_of
 from .planner.plan import build_plan
 from .planner.recompute import Recomputed, block_names, outline_blocks
 from .errors import CheckpointError, ConfigurationError
@@ -100,6 +100,32 @@ class ShardedModule(nn.Module):
                 gm = self._graphs[key] = self._finish(ann, captured, args, kwargs)
         self._last = key
         return gm(*args, **kwargs)
+
+    def generate(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
+        """Greedy or sampled generation, the same tokens on every rank (collective);
+        see ``shardplan.generate.generate`` for the arguments."""
+        from .generate import generate
+        gather = None if self._gather else self._vocab_gather()
+        return generate(self, input_ids, group=self._group, source=self._source[0],
+                        gather=gather, **kwargs)
+
+    def _vocab_gather(self):
+        """With gather_output=False: the function that turns this rank's part of the last
+        position's logits (batch, vocab part) into the full, unpadded (batch, vocab)."""
+        out = next(n for n in self.annotation.gm.graph.nodes if n.op == "output")
+        logits = pytree.tree_leaves(out.args[0])[0]
+        lay, full = self.annotation.layouts.get(logits), logits.meta["val"].shape
+        if not isinstance(lay, Shard):
+            return None
+        if lay.dim % len(full) != len(full) - 1:
+            raise ConfigurationError(f"the logits are split along dim {lay.dim}, not the vocabulary",
+                                     fix="parallelize with gather_output=True to generate")
+
+        def gather(part: torch.Tensor) -> torch.Tensor:
+            parts = self._group.all_gather(part.unsqueeze(0), 0, site="generate.logits").unbind(0)
+            return Shard(part.dim() - 1, lay.blocks, lay.padded, lay.replicas).unshard(
+                list(parts), int(full[-1]))
+        return gather
 
     def load_local_(self, tensors: dict[str, torch.Tensor]) -> None:
         """Set this rank's tensors by FQN (every alias of a tied one): copied in place

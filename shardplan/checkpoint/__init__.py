@@ -29,20 +29,24 @@ under the original model's names (a tied tensor stored once, as safetensors'
     full = gather_full_state_dict(sharded)             # dict on rank 0, None elsewhere
     save_full(sharded, "model.safetensors")
     load_full_state_dict(sharded, "model.safetensors") # each rank reads only its slices
+    load_full_state_dict(sharded, "hf_folder/")        # or several files via their index
+    sharded = load_pretrained("hf_folder/")            # HF config + weights -> sharded model
 
 Every function except ``reshard`` is collective: call it on every rank.
 
 One concern per module: ``files`` (safetensors IO), ``atomic`` (directories
 replaced atomically, the index), ``agreement`` (failing on every rank
 together), ``entries`` (the module's tensors with their specs), ``optimizer``,
-``sharded`` (save/load per rank), ``resharding`` (offline, another tp) and
-``full`` (full state dicts).
+``sharded`` (save/load per rank), ``resharding`` (offline, another tp),
+``full`` (full state dicts), ``sources`` (one or many full-checkpoint files)
+and ``pretrained`` (an HF folder in one call).
 """
 
 from .full import gather_full_state_dict, load_full_state_dict, save_full
+from .pretrained import load_pretrained
 from .index import FORMAT, INDEX, VERSION, rank_file
 from .resharding import reshard
 from .sharded import load_sharded, save_sharded
 
 __all__ = ["save_sharded", "load_sharded", "reshard", "gather_full_state_dict", "save_full",
-           "load_full_state_dict", "rank_file", "FORMAT", "VERSION", "INDEX"]
+           "load_full_state_dict", "load_pretrained", "rank_file", "FORMAT", "VERSION", "INDEX"]

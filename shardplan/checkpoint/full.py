@@ -16,7 +16,8 @@ from ..layouts import Shard
 from .agreement import agree
 from .atomic import fsync_dir
 from .entries import Entry, entries_of, set_local
-from .files import Writer, open_file, owned
+from .files import Writer, owned
+from .sources import open_source
 
 
 def _gather(sharded, e: Entry) -> torch.Tensor:
@@ -98,11 +99,14 @@ def save_full(sharded, file) -> None:
 def load_full_state_dict(sharded, source, *, strict: bool = True) -> None:
     """Load a FULL (unsharded) state dict into ``sharded``: each rank takes only its slices.
 
-    ``source`` is a dict of tensors or a path to a .safetensors file; from a
-    file each rank reads just its ranges (per block for fused layouts, zeros
-    for padding), never the whole tensor. A tied tensor may appear under any
-    of its names. ``strict``: names the model does not have are an error.
-    Collective.
+    ``source`` is a dict of tensors, or a checkpoint path: one .safetensors
+    file, a ``*.safetensors.index.json`` as ``save_pretrained`` writes for
+    several files, or a folder holding either. From files each rank
+    memory-maps only the files holding its tensors and reads just its ranges
+    (per block for fused layouts, zeros for padding), never a whole sharded
+    tensor. A tied tensor may appear under any of its names. ``strict``:
+    names the model does not have are an error. Names, shapes and dtypes are
+    checked before anything is copied. Collective.
     """
     is_file = isinstance(source, (str, os.PathLike))
     if not is_file and not isinstance(source, Mapping):
@@ -113,31 +117,8 @@ def load_full_state_dict(sharded, source, *, strict: bool = True) -> None:
 
     def load():
         entries = entries_of(sharded)
-        with (open_file(Path(source)) if is_file else contextlib.nullcontext(source)) as src:
-            keys = set(src.keys())
-            chosen = {}
-            missing = []
-            for e in entries:
-                name = next((n for n in [e.fqn, *e.aliases] if n in keys), None)
-                if name is None:
-                    missing.append(e.fqn)
-                chosen[e.fqn] = name
-            names = {n for e in entries for n in [e.fqn, *e.aliases]}
-            unexpected = sorted(keys - names) if strict else []
-            if missing or unexpected:
-                parts = [f"missing {missing[:4]}" if missing else "",
-                         f"unexpected {unexpected[:4]}" if unexpected else ""]
-                raise CheckpointError(f"{where} does not match the model: "
-                                      + "; ".join(p for p in parts if p), where=where,
-                                      fix="pass the full state dict of the same model class and "
-                                          "configuration (strict=False ignores extra names)")
-            for e in entries:
-                name = chosen[e.fqn]
-                shape = list(src.get_slice(name).get_shape()) if is_file else list(src[name].shape)
-                if shape != list(e.shape):
-                    raise CheckpointError(f"{name} has shape {shape} in {where}, the model "
-                                          f"{list(e.shape)}", where=name,
-                                          fix="load weights of the same model configuration")
+        with (open_source(source) if is_file else contextlib.nullcontext(source)) as src:
+            chosen = _match(src, entries, where, strict, is_file)
             values = {}
             for e in entries:
                 name = chosen[e.fqn]
@@ -156,11 +137,60 @@ def load_full_state_dict(sharded, source, *, strict: bool = True) -> None:
     agree(sharded, f"load_full_state_dict({where})", load)
 
 
+def _match(src, entries: list[Entry], where: str, strict: bool, is_file: bool) -> dict[str, str]:
+    """Each entry's name in ``src``; raises on missing/unexpected names, shapes, dtypes."""
+    keys = set(src.keys())
+    chosen, missing = {}, []
+    for e in entries:
+        name = next((n for n in [e.fqn, *e.aliases] if n in keys), None)
+        if name is None:
+            missing.append(e.fqn)
+        chosen[e.fqn] = name
+    names = {n for e in entries for n in [e.fqn, *e.aliases]}
+    unexpected = sorted(keys - names) if strict else []
+    if missing or unexpected:
+        parts = [f"missing {missing[:4]}" if missing else "",
+                 f"unexpected {unexpected[:4]}" if unexpected else ""]
+        at = f" (e.g. {unexpected[0]} in {src.file_of(unexpected[0])})" if unexpected and is_file else ""
+        raise CheckpointError(f"{where} does not match the model: "
+                              + "; ".join(p for p in parts if p) + at, where=where,
+                              fix="pass the full state dict of the same model class and "
+                                  "configuration (strict=False ignores extra names)")
+    for e in entries:
+        name = chosen[e.fqn]
+        file = src.file_of(name) if is_file else where
+        if is_file:
+            sl = src.get_slice(name)
+            shape, dtype = list(sl.get_shape()), sl.get_dtype()
+        else:
+            shape, dtype = list(src[name].shape), src[name].dtype
+        if shape != list(e.shape):
+            raise CheckpointError(f"{name} has shape {shape} in {file}, the model "
+                                  f"{list(e.shape)}", where=f"{name} in {file}",
+                                  fix="load weights of the same model configuration")
+        if not _castable(dtype, e.tensor.dtype):
+            raise CheckpointError(f"{name} is {dtype} in {file}; the model holds it as "
+                                  f"{e.tensor.dtype}, which it cannot be cast to",
+                                  where=f"{name} in {file}",
+                                  fix="load weights of the same model (floating point weights "
+                                      "go into floating point tensors)")
+    return chosen
+
+
+_FLOAT_NAMES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+
+
+def _castable(stored, target: torch.dtype) -> bool:
+    """Floating point goes to floating point, integers/bools to integers/bools."""
+    is_float = stored in _FLOAT_NAMES if isinstance(stored, str) else stored.is_floating_point
+    return is_float == target.is_floating_point
+
+
 def _read_local(f, name: str, e: Entry, rank: int, tp: int) -> torch.Tensor:
     """This rank's part of tensor ``name`` of safetensors file ``f``, reading only its ranges."""
     lay = e.layout
     if not isinstance(lay, Shard):
-        return owned(f.get_tensor(name))
+        return owned(f.get_tensor(name).to(e.tensor.dtype))
     sl = f.get_slice(name)
     d, size = lay.dim, e.shape[lay.dim]
     segments, offset = [], 0

@@ -126,6 +126,19 @@ def _rank_steps(ctx, n: int) -> list[tuple[float, float]]:
     return [(r["loss"], r["grad_norm"]) for r in (trainer.train_step() for _ in range(n))]
 
 
+SAMPLE_PROMPTS = ("The ", "And ")  # equal lengths: the bundled GPT takes no padding mask
+SAMPLE_SEED = 0
+
+
+def _rank_sample(ctx, new_tokens: int) -> list[str]:
+    """A few lines sampled from the trained sharded model (same on every rank)."""
+    sharded = _RANK["trainer"].sharded.eval()
+    ids = torch.tensor([list(p.encode()) for p in SAMPLE_PROMPTS])
+    out = sharded.generate(ids, max_new_tokens=new_tokens, do_sample=True, top_k=10,
+                           generator=torch.Generator().manual_seed(SAMPLE_SEED))
+    return [bytes(row.tolist()).decode("utf-8", errors="replace") for row in out]
+
+
 def _rank_close(ctx) -> None:
     """Replicated parameters still equal on every rank (raises on every rank if not)."""
     try:
@@ -179,9 +192,12 @@ def _train_sharded(cfg: DemoConfig, tc, ranks, times: dict) -> list[tuple[float,
     bar.close()
     times["train_sharded"] = t_train
     t0 = time.perf_counter()
+    samples = ranks.run(_rank_sample, min(48, cfg.block - 4))[0]
+    times["sample"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
     ranks.run(_rank_close)
     times["check_replicas"] = time.perf_counter() - t0
-    return curve
+    return curve, samples
 
 
 def _train_unsharded(cfg: DemoConfig, tc, model, times: dict) -> list[tuple[float, float]]:
@@ -278,7 +294,7 @@ def _run(cfg: DemoConfig, data: str) -> int:
     with RealRanks(world) as ranks:
         ranks.start()
         times["start_ranks"] = time.perf_counter() - t0
-        sharded = _train_sharded(cfg, tc, ranks, times)
+        sharded, samples = _train_sharded(cfg, tc, ranks, times)
     unsharded = _train_unsharded(cfg, tc, model, times)
 
     a = [loss for loss, _ in sharded]
@@ -319,6 +335,7 @@ def _run(cfg: DemoConfig, data: str) -> int:
                  "comm_bytes_per_step": sum(c.bytes for c in plan.collectives),
                  "warnings": len(plan.warnings)},
         "plot": {"file": "loss.png", "width": plot.SIZE[0], "height": plot.SIZE[1]},
+        "samples": samples,
     }
     with open(files["summary.json"], "w") as f:
         json.dump(summary, f, indent=2)
@@ -330,6 +347,9 @@ def _run(cfg: DemoConfig, data: str) -> int:
           f"max |Δloss| over {cfg.steps} steps = {max(diffs):.2e} "
           f"(tolerance {_tolerance_text()}): {verdict}")
     print("seconds: " + ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in times.items()))
+    print(f"samples from the trained tp={cfg.tp} model (top-k 10, seed {SAMPLE_SEED}):")
+    for line in samples:
+        print(f"  {line!r}")
     print(f"wrote {', '.join(files.values())}")
     return 0 if ok else 1
 
@@ -349,6 +369,7 @@ def _markdown(s: dict) -> str:
                       for i in rows)
     verdict = "match" if s["match"] else f"DISAGREE (steps {s['steps_out_of_tolerance'][:10]})"
     sec = ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in s["seconds"].items())
+    samples = "\n".join(f"    {line!r}" for line in s["samples"])
     return f"""# shardplan demo
 
 GPT {c['size']}: {m['parameters']:,} parameters, {m['n_layer']} layers, n_embd {m['n_embd']},
@@ -370,6 +391,10 @@ decay, weight decay {c['weight_decay']:g}, gradient clipping at {c['clip']:g}, s
 | step | tp={c['tp']} dp={c['dp']} | unsharded | abs diff |
 |---:|---:|---:|---:|
 {table}
+
+Sampled from the trained sharded model (top-k 10, seed {SAMPLE_SEED}):
+
+{samples}
 
 Files: `loss.png` (both curves), `plan.json` (load with `shardplan.Plan.from_json`),
 `summary.json` (every loss and gradient norm).

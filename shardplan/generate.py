@@ -1,0 +1,144 @@
+"""Text generation with a (sharded) causal language model: greedy or sampled.
+
+    out = sharded.generate(ids, max_new_tokens=20)                      # greedy
+    out = sharded.generate(ids, max_new_tokens=20, do_sample=True, top_k=50,
+                           generator=torch.Generator().manual_seed(0))
+    out = generate(model, ids, max_new_tokens=20)                      # a plain module
+
+Each step recomputes the whole prefix (no KV cache): one forward of the
+model per new token, on batch x (prompt + generated) tokens. The sharded
+module captures a call signature once and reuses it for every length, so
+this costs no capture per step, but the work per step grows with the length.
+
+Every rank computes the same gathered logits; rank 0 picks the next tokens
+(argmax, or a draw from its ``generator``, default the global RNG) and
+broadcasts them, so the ranks never diverge. The result is what Hugging Face's
+``model.generate`` returns for the same arguments on the unsharded model
+(same logits processing: temperature, then top-k, then top-p; finished
+sequences padded with ``pad_token_id``), and for HF models the defaults
+(``eos_token_id``, ``pad_token_id``, ``top_k``, ...) are the model's
+``generation_config``'s, as there. Left-padded batches need an
+``attention_mask`` and a model whose forward takes ``attention_mask`` and
+``position_ids``; positions are counted over the unmasked tokens.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn as nn
+
+from .errors import ConfigurationError
+from .runtime.comm import Group
+
+_UNSET = object()
+
+
+def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
+             do_sample: bool = False, temperature=_UNSET, top_k=_UNSET, top_p=_UNSET,
+             eos_token_id=_UNSET, pad_token_id=_UNSET, attention_mask: torch.Tensor | None = None,
+             generator: torch.Generator | None = None, group: Group | None = None,
+             source: nn.Module | None = None, gather=None) -> torch.Tensor:
+    """``input_ids`` (batch, prompt) followed by up to ``max_new_tokens`` generated tokens.
+
+    ``model`` returns logits (batch, length, vocab): as a tensor, as the first
+    element of a tuple (the bundled models) or as ``.logits`` (HF). ``source``
+    is the module whose forward signature and ``generation_config`` apply
+    (default ``model``); ``group``: ranks that must agree on every token;
+    ``gather``: turns this rank's part of the last position's logits into all
+    of them (for a sharded model that keeps its output split).
+    Stops early once every sequence has produced ``eos_token_id``.
+    """
+    source = model if source is None else source
+    opts = _options(source, temperature=temperature, top_k=top_k, top_p=top_p,
+                    eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise ConfigurationError(f"input_ids must be (batch, prompt length >= 1), got "
+                                 f"{list(input_ids.shape)}", fix="pass a 2-D tensor of token ids")
+    takes = set(inspect.signature(source.forward).parameters)
+    masked = attention_mask is not None and not bool(attention_mask.all())
+    if masked and not {"attention_mask", "position_ids"} <= takes:
+        raise ConfigurationError(f"{type(source).__name__}.forward takes no attention_mask and "
+                                 "position_ids, so padded prompts cannot be generated from",
+                                 fix="pass prompts of equal length without padding")
+    eos = opts["eos_token_id"]
+    eos = torch.tensor([eos] if isinstance(eos, int) else (eos or []), dtype=torch.long)
+    pad = opts["pad_token_id"] if opts["pad_token_id"] is not None else \
+        (int(eos[0]) if len(eos) else None)
+    ids = input_ids
+    mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+    unfinished = torch.ones(ids.shape[0], dtype=torch.bool)
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            logits = _logits(model(**_inputs(takes, ids, mask, masked)) if takes >= {"input_ids"}
+                             else model(ids))
+            scores = logits[:, -1, :]
+            scores = (scores if gather is None else gather(scores)).to(torch.float32)
+            token = _pick(scores, do_sample, opts, generator, group)
+            if len(eos) and pad is not None:
+                token = torch.where(unfinished, token, torch.full_like(token, pad))
+            ids = torch.cat([ids, token[:, None]], 1)
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+            if len(eos):
+                unfinished &= ~torch.isin(token, eos)
+                if not unfinished.any():
+                    break
+    return ids
+
+
+def _options(source: nn.Module, **given) -> dict:
+    """The given sampling options; the unset ones from an HF ``generation_config``."""
+    config = getattr(source, "generation_config", None)
+    return {k: (getattr(config, k, None) if v is _UNSET else v) for k, v in given.items()}
+
+
+def _inputs(takes: set, ids, mask, masked: bool) -> dict:
+    """Keyword inputs of an HF-style forward: positions counted over unmasked tokens."""
+    kw = {"input_ids": ids}
+    if masked:
+        kw["attention_mask"] = mask
+        kw["position_ids"] = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    return kw
+
+
+def _logits(out) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, tuple):
+        return out[0]
+    return out.logits
+
+
+def _pick(scores: torch.Tensor, do_sample: bool, opts: dict, generator, group) -> torch.Tensor:
+    """The next token of each sequence: chosen on rank 0, the same on every rank."""
+    if group is None or group.rank == 0:
+        if do_sample:
+            probs = torch.softmax(_filtered(scores, opts), -1)
+            token = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        else:
+            token = scores.argmax(-1)
+    else:
+        token = torch.empty(scores.shape[0], dtype=torch.long)
+    if group is not None and group.size > 1:
+        token = group.broadcast(token, 0, site="generate.next_token")
+    return token
+
+
+def _filtered(scores: torch.Tensor, opts: dict) -> torch.Tensor:
+    """Temperature, then top-k, then top-p (nucleus) filtering of (batch, vocab) scores."""
+    if opts["temperature"] not in (None, 1.0):
+        if opts["temperature"] <= 0:
+            raise ConfigurationError(f"temperature must be > 0, got {opts['temperature']}",
+                                     fix="use do_sample=False for greedy decoding")
+        scores = scores / opts["temperature"]
+    if opts["top_k"]:
+        k = min(int(opts["top_k"]), scores.shape[-1])
+        kth = torch.topk(scores, k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if opts["top_p"] is not None and opts["top_p"] < 1.0:
+        ordered, order = torch.sort(scores, descending=False)
+        drop = ordered.softmax(-1).cumsum(-1) <= 1 - opts["top_p"]
+        drop[..., -1:] = False  # the most likely token always stays
+        scores = scores.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+    return scores

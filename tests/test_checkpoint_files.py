@@ -1,0 +1,190 @@
+"""Full checkpoints in several files: ``save_pretrained(max_shard_size=...)`` loads like one file.
+
+The HF GPT-2 here (vocabulary 101, padded at tp 2; fused c_attn) is built on
+meta and captured once; simulated ranks build their shards from that capture.
+One case measures resident memory on real gloo ranks.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import sys
+
+import pytest
+import safetensors.torch
+import torch
+
+import hf_cases
+from memory_cases import CONFIG, load_peak
+from shardplan import CheckpointError
+from shardplan import checkpoint as ck
+from shardplan.models import build
+from shardplan.planner.capture import capture
+from shardplan.planner.rules import load_rules
+from shardplan.ranks import SimulatedRanks
+from shardplan.sharded import ShardedModule
+
+pytestmark = pytest.mark.timeout(120)
+
+KW = {"input_ids": torch.zeros(2, 4, dtype=torch.long)}
+
+
+@functools.lru_cache(maxsize=None)
+def model():
+    return hf_cases.build("gpt2")
+
+
+@functools.lru_cache(maxsize=None)
+def meta_model():
+    with torch.device("meta"):
+        m = type(model())(model().config)
+    return m.eval()
+
+
+@functools.lru_cache(maxsize=None)
+def captured():
+    return capture(meta_model(), (), {k: v.to("meta") for k, v in KW.items()})
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """(one-file folder, several-files folder) of the same weights, as save_pretrained writes."""
+    root = tmp_path_factory.mktemp("pretrained")
+    model().save_pretrained(root / "one")
+    model().save_pretrained(root / "split", max_shard_size="100KB")
+    captured()
+    return root / "one", root / "split"
+
+
+def load(ctx, path):
+    """This rank's tensors after loading ``path`` into a meta-built sharded model; the
+    error instead when loading fails, with whether the model was left callable."""
+    s = ShardedModule(copy.deepcopy(meta_model()), ctx.group, load_rules(), example=((), KW),
+                      gather_output=True, strict=False, captured=copy.deepcopy(captured()))
+    try:
+        ck.load_full_state_dict(s, path)
+    except CheckpointError as e:
+        try:
+            s(**KW)
+            callable_after = True
+        except CheckpointError:
+            callable_after = False
+        return str(e), callable_after
+    with torch.no_grad():
+        logits = s(**KW).logits
+    return {k: t.detach().clone() for k, t in s.state_dict().items()}, logits
+
+
+def test_split_checkpoint_loads_like_one_file(saved):
+    one, split = saved
+    assert len(list(split.glob("model-*.safetensors"))) >= 3
+    expected = model()(**KW).logits
+    runs = {p: SimulatedRanks(2).run(load, p)
+            for p in (one / "model.safetensors", split, split / "model.safetensors.index.json")}
+    for rank in range(2):
+        a, logits = runs[one / "model.safetensors"][rank]
+        for p in (split, split / "model.safetensors.index.json"):
+            b, _ = runs[p][rank]
+            assert list(a) == list(b)
+            for k in a:
+                assert torch.equal(a[k], b[k]), (p, rank, k)
+        torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+
+
+def _copy(src, dst):
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    return dst, index
+
+
+def _rewrite(file, change):
+    tensors = safetensors.torch.load_file(file)
+    change(tensors)
+    safetensors.torch.save_file(tensors, file, metadata={"format": "pt"})
+
+
+def test_bad_checkpoints_raise_naming_key_and_file(saved, tmp_path):
+    _, split = saved
+    qkv = "transformer.h.1.attn.c_attn.weight"
+    cases = {}
+
+    d, index = _copy(split, tmp_path / "missing")
+    file = d / index["weight_map"][qkv]
+    _rewrite(file, lambda t: t.pop(qkv))
+    cases["missing"] = (d, [qkv, file.name])
+
+    d, index = _copy(split, tmp_path / "unexpected")
+    file = d / index["weight_map"][qkv]
+    _rewrite(file, lambda t: t.__setitem__("extra.weight", torch.zeros(2)))
+    index["weight_map"]["extra.weight"] = file.name
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    cases["unexpected"] = (d, ["extra.weight", file.name])
+
+    d, index = _copy(split, tmp_path / "shape")
+    file = d / index["weight_map"][qkv]
+    _rewrite(file, lambda t: t.__setitem__(qkv, torch.zeros(64, 191)))
+    cases["shape"] = (d, [qkv, file.name, "[64, 191]"])
+
+    d, index = _copy(split, tmp_path / "dtype")
+    file = d / index["weight_map"][qkv]
+    _rewrite(file, lambda t: t.__setitem__(qkv, torch.zeros(64, 192, dtype=torch.int32)))
+    cases["dtype"] = (d, [qkv, file.name, "cast"])
+
+    d, index = _copy(split, tmp_path / "truncated")
+    file = d / index["weight_map"][qkv]
+    file.write_bytes(file.read_bytes()[:-100])
+    cases["truncated"] = (d, [file.name])
+
+    d, index = _copy(split, tmp_path / "no_file")
+    file = d / index["weight_map"][qkv]
+    file.unlink()
+    cases["no_file"] = (d, [file.name, "e.g. for transformer."])  # a key it held
+
+    for case, (path, words) in cases.items():
+        for message, callable_after in SimulatedRanks(2).run(load, path):
+            for w in words:
+                assert w in message, (case, w, message)
+            assert not callable_after, case  # nothing half-loaded runs
+
+
+@pytest.mark.real
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(sys.platform != "linux", reason="reads peak RSS from /proc (Linux only)")
+def test_split_checkpoint_costs_a_rank_its_shard(real_ranks, tmp_path):
+    """RssAnon while loading four files through their index: a shard plus one tensor."""
+    m = build("gpt-tiny", **CONFIG)
+    state = {k: v for k, v in m.state_dict().items() if k != "lm_head.weight"}  # tied: once
+    names = list(state)
+    weight_map = {}
+    for i in range(4):
+        part = {k: state[k].contiguous() for k in names[i::4]}
+        file = f"model-{i + 1:05d}-of-00004.safetensors"
+        safetensors.torch.save_file(part, tmp_path / file, metadata={"format": "pt"})
+        weight_map.update({k: file for k in part})
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    full = sum(p.numel() * p.element_size() for p in m.parameters())
+    largest = max(p.numel() * p.element_size() for p in m.parameters())
+    del m, state
+    for grown, held in real_ranks(2).run(load_peak, str(index)):
+        assert held < 0.6 * full
+        assert grown >= 0.5 * held
+        assert grown <= held + largest + 16 * 2**20, (grown, held, largest, full)
+        assert grown < 0.8 * full
+
+
+def pretrained(ctx, path):
+    ids = torch.tensor([[5, 6, 7, 8]])
+    sharded = ck.load_pretrained(path, group=ctx.group, example_inputs={"input_ids": ids})
+    return sharded.generate(ids, max_new_tokens=3, do_sample=False)
+
+
+def test_load_pretrained_folder_generates_like_hf(saved):
+    _, split = saved
+    expected = model().generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=3, do_sample=False)
+    for got in SimulatedRanks(2).run(pretrained, split):
+        assert torch.equal(got, expected)
