@@ -174,3 +174,28 @@ def test_rules_that_open_nothing_fail_the_fuzzer(monkeypatch, tmp_path):
     monkeypatch.setattr(shardplan, "plan", lambda *a, **k: real_plan(*a, **k, rules=str(rules)))
     with pytest.raises(AssertionError, match="should be split"):
         run_case(SUPPORTED, 2)
+
+
+def test_dropped_padding_idx_fails_the_padding_tests(monkeypatch):
+    """A vocab lookup that ignores ``padding_idx`` (the pad row gets a gradient) fails
+    both padding tests: the graph path's (tests/test_kinds.py) and the layer's
+    (tests/test_layers.py, the seeded cases with a padding id)."""
+    from shardplan.runtime import graph_ops, layers
+    import test_kinds
+    import test_layers
+
+    real = layers.vocab_lookup
+
+    def without_padding(weight, ids, start, end, padding_idx=None):
+        return real(weight, ids, start, end, None)
+
+    monkeypatch.setattr(graph_ops, "vocab_lookup", without_padding)
+    monkeypatch.setattr(layers, "vocab_lookup", without_padding)
+    with pytest.raises(AssertionError):
+        test_kinds.test_graph_vocab_lookup_gives_the_pad_row_no_gradient_on_every_rank()
+    # the layer's property test, at one case with a padding id, called without hypothesis
+    case = test_layers.test_vocab_parallel_embedding_matches_embedding.hypothesis.inner_test
+    with pytest.raises(AssertionError):
+        case(tp=2, b=2, s=3, vocab=7, d=4, pad=True, seed=0)
+    monkeypatch.undo()
+    case(tp=2, b=2, s=3, vocab=7, d=4, pad=True, seed=0)  # the same case passes unmutated
