@@ -379,7 +379,7 @@ CRASH = ModelCfg(dim=16, vocab=16, final_norm="none", blocks=(
 def test_g_output_is_sliced_for_a_sharded_add():
     """The vocab-parallel embedding's output (after its g) meeting a sharded tensor is sliced."""
     report = verify_case(CRASH, 4)
-    assert not isinstance(report, Exception) and report.ok, str(report)
+    assert report == "counted", str(report)  # sharded whole, equal, Megatron's collectives
 
 
 def test_sdpa_with_a_2d_mask_is_sharded():

@@ -156,7 +156,7 @@ SUPPORTED = ModelCfg(dim=16, blocks=(BlockCfg(attn=AttnCfg(heads=4, kv_heads=4, 
 def test_collective_error_while_running_fails_the_fuzzer(monkeypatch):
     """A CommunicationError raised by g while the sharded model runs is a crash, not a
     refusal: the fuzzer's ``run_case`` must fail, not score it as 'refused'."""
-    assert run_case(SUPPORTED, 2) == "ok"  # the control
+    assert run_case(SUPPORTED, 2) == "sharded"  # the control: sharded whole and counted
 
     def broken(ctx, x, group, site):
         raise shardplan.errors.CommunicationError("ranks disagree", fix="none")
@@ -172,6 +172,9 @@ def test_rules_that_open_nothing_fail_the_fuzzer(monkeypatch, tmp_path):
     rules.write_text(re.sub(r"(?ms)^open = \[.*?^\]", "open = []", text))
     real_plan = shardplan.plan
     monkeypatch.setattr(shardplan, "plan", lambda *a, **k: real_plan(*a, **k, rules=str(rules)))
+    import test_fuzz  # its counted path loads the rules itself
+    real_load = test_fuzz.load_rules
+    monkeypatch.setattr(test_fuzz, "load_rules", lambda *a: real_load(str(rules)))
     with pytest.raises(AssertionError, match="should be split"):
         run_case(SUPPORTED, 2)
 
