@@ -523,11 +523,64 @@ def example_inputs(c: ModelCfg) -> dict:
     return out
 
 
+def kv_groups(a: AttnCfg, tp: int) -> bool:
+    """K/V heads held by groups of ranks (Megatron's GQA with fewer K/V heads than tp):
+    separate K and V projections whose head count is at least 2 and divides tp."""
+    return a.qkv == "separate" and 2 <= a.kv_heads < tp and tp % a.kv_heads == 0
+
+
 def divides(c: ModelCfg, tp: int) -> bool:
-    """Does every size the Megatron rules split divide by ``tp``?"""
+    """Does every size the Megatron rules split divide by ``tp`` (K/V heads: or form
+    replica groups, ``kv_groups``)?"""
     for b in c.blocks:
-        if b.attn is not None and (b.attn.heads % tp or b.attn.kv_heads % tp):
+        if b.attn is not None and (b.attn.heads % tp or (b.attn.kv_heads % tp
+                                                         and not kv_groups(b.attn, tp))):
             return False
         if b.mlp is not None and b.mlp.hidden % tp:
             return False
     return True
+
+
+_PARAM_TWISTS = ("scale", "norm", "mix", "head", "head_mat")  # twist modules with parameters
+
+
+def megatron_block_count(c: ModelCfg, tp: int, head_sharded: bool) -> dict:
+    """The collectives Megatron-LM issues for the blocks of a ``ModelCfg`` model at
+    ``tp`` > 1 (every region sharded), from the description alone:
+
+    - ``forward``: one all-reduce (g) of B*T*D per region (attention, MLP), issued
+      inside the block: ``{(kind, elements): n}`` of the forward records whose site
+      is under ``blocks.``;
+    - ``backward``: every backward collective: one all-reduce (f) of B*T*D per
+      region whose input needs a gradient (not the raw float input of a model
+      whose first region reads it before any parameter), one for the LM head's f
+      when the head is vocabulary-parallel, and for K/V heads held by replica
+      groups the K and V weight (and bias) gradients' all-reduces.
+    """
+    from collections import Counter
+
+    btd = c.batch * c.seq * c.dim
+    fwd, bwd = Counter(), Counter()
+    grad = c.inputs == "tokens" or c.pos_embedding  # does the residual stream need a grad
+    for b in c.blocks:
+        subs = [("attn", b.attn), ("stream", None), ("mlp", b.mlp)]
+        for kind, cfg in subs:
+            if kind == "stream":
+                grad = grad or any(site == "stream" and TWISTS[op].params in _PARAM_TWISTS
+                                   for site, op in b.twists)
+                continue
+            if cfg is None:
+                continue
+            region_input_grad = grad or (b.order == "pre" and b.norm != "none")
+            fwd[("all_reduce", btd)] += 1
+            if region_input_grad:
+                bwd[("all_reduce", btd)] += 1
+            if kind == "attn" and kv_groups(cfg, tp):
+                weight = cfg.kv_heads * cfg.head_dim * c.dim
+                bwd[("all_reduce", weight)] += 2
+                if cfg.bias:
+                    bwd[("all_reduce", cfg.kv_heads * cfg.head_dim)] += 2
+            grad = True  # the region's output depends on its parameters
+    if head_sharded:
+        bwd[("all_reduce", btd)] += 1
+    return {"forward": fwd, "backward": bwd}

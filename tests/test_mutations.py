@@ -156,7 +156,7 @@ SUPPORTED = ModelCfg(dim=16, blocks=(BlockCfg(attn=AttnCfg(heads=4, kv_heads=4, 
 def test_collective_error_while_running_fails_the_fuzzer(monkeypatch):
     """A CommunicationError raised by g while the sharded model runs is a crash, not a
     refusal: the fuzzer's ``run_case`` must fail, not score it as 'refused'."""
-    assert run_case(SUPPORTED, 2) == "ok"  # the control
+    assert run_case(SUPPORTED, 2) == "sharded"  # the control: sharded whole and counted
 
     def broken(ctx, x, group, site):
         raise shardplan.errors.CommunicationError("ranks disagree", fix="none")
@@ -172,5 +172,33 @@ def test_rules_that_open_nothing_fail_the_fuzzer(monkeypatch, tmp_path):
     rules.write_text(re.sub(r"(?ms)^open = \[.*?^\]", "open = []", text))
     real_plan = shardplan.plan
     monkeypatch.setattr(shardplan, "plan", lambda *a, **k: real_plan(*a, **k, rules=str(rules)))
+    import test_fuzz  # its counted path loads the rules itself
+    real_load = test_fuzz.load_rules
+    monkeypatch.setattr(test_fuzz, "load_rules", lambda *a: real_load(str(rules)))
     with pytest.raises(AssertionError, match="should be split"):
         run_case(SUPPORTED, 2)
+
+
+def test_dropped_padding_idx_fails_the_padding_tests(monkeypatch):
+    """A vocab lookup that ignores ``padding_idx`` (the pad row gets a gradient) fails
+    both padding tests: the graph path's (tests/test_kinds.py) and the layer's
+    (tests/test_layers.py, the seeded cases with a padding id)."""
+    from shardplan.runtime import graph_ops, layers
+    import test_kinds
+    import test_layers
+
+    real = layers.vocab_lookup
+
+    def without_padding(weight, ids, start, end, padding_idx=None):
+        return real(weight, ids, start, end, None)
+
+    monkeypatch.setattr(graph_ops, "vocab_lookup", without_padding)
+    monkeypatch.setattr(layers, "vocab_lookup", without_padding)
+    with pytest.raises(AssertionError):
+        test_kinds.test_graph_vocab_lookup_gives_the_pad_row_no_gradient_on_every_rank()
+    # the layer's property test, at one case with a padding id, called without hypothesis
+    case = test_layers.test_vocab_parallel_embedding_matches_embedding.hypothesis.inner_test
+    with pytest.raises(AssertionError):
+        case(tp=2, b=2, s=3, vocab=7, d=4, pad=True, seed=0)
+    monkeypatch.undo()
+    case(tp=2, b=2, s=3, vocab=7, d=4, pad=True, seed=0)  # the same case passes unmutated

@@ -257,7 +257,8 @@ def test_error_while_peers_wait_in_collective(kind):
             t0 = time.monotonic()
             with pytest.raises(type(error), match="missing") as info:
                 ranks.run(_raise_on_rank1_peers_in_collective, error)
-            assert time.monotonic() - t0 < 15
+            # well before the 60 s group timeout (a generous bound for a loaded machine)
+            assert time.monotonic() - t0 < 40
             if kind == "real":
                 assert "[rank 1] traceback" in _message(info.value)
                 assert not ranks.alive  # killed: rank 0 was stuck in the collective
@@ -275,7 +276,8 @@ def test_rank_skips_collective(kind):
                                                      "timed out after 5s") as info:
             ranks.run(_skip_collective_on_rank1)
         elapsed = time.monotonic() - t0
-        assert timeout * 0.5 <= elapsed <= timeout + 5, elapsed
+        # waited for the timeout, and did not hang (a loaded machine may run late)
+        assert timeout * 0.5 <= elapsed < 45, elapsed
         absent = "rank 1 never arrived" if kind == "simulated" else "rank 1 had returned from fn"
         assert absent in _message(info.value)
 
@@ -284,12 +286,13 @@ def test_ranks_disagree_on_shape(kind, monkeypatch):
     """Simulated ranks compare shapes; gloo does so under TORCH_DISTRIBUTED_DEBUG=DETAIL
     (without, rank 1 gets a wrong sum and rank 0 times out)."""
     monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")  # read by the spawned workers
-    with _runner(kind, 2, timeout=30) as ranks:
+    with _runner(kind, 2, timeout=90) as ranks:
         t0 = time.monotonic()
         with pytest.raises(CommunicationError,
                            match="ranks disagree at all_reduce at the test's site") as info:
             ranks.run(_shapes_differ)
-        assert time.monotonic() - t0 < 25  # real: start-up included
+        # found by comparing shapes, not by the 90 s timeout (real: start-up included)
+        assert time.monotonic() - t0 < 75
     if kind == "simulated":
         assert "rank 0 passes shape (4,)" in str(info.value)
         assert "rank 1 passes shape (3,)" in str(info.value)
@@ -308,7 +311,7 @@ def test_real_collective_timeout_names_site_and_absent_rank():
                                                      r"timed out after 3s") as info:
             ranks.run(_forward_on_rank0_only)
         elapsed = time.monotonic() - t0
-        assert timeout * 0.5 <= elapsed <= timeout + 5, elapsed
+        assert timeout * 0.5 <= elapsed < 45, elapsed  # the 3 s timeout, not the pool's 60 s
         assert "rank 1 had returned from fn" in _message(info.value)
 
 
@@ -320,7 +323,7 @@ def test_real_dead_worker_fails_fast():
         t0 = time.monotonic()
         with pytest.raises(CommunicationError, match=r"rank 1 died .*exit code 3"):
             ranks.run(_exit_on_rank1)
-        assert time.monotonic() - t0 < 10
+        assert time.monotonic() - t0 < 40  # before the 60 s collective timeout
         assert not ranks.alive
         assert ranks.run(_identity) == [(0, 2, 0, 2), (1, 2, 1, 2)]
 
@@ -334,7 +337,7 @@ def test_real_stuck_rank_is_named_and_pool_killed():
         t0 = time.monotonic()
         with pytest.raises(CommunicationError, match=r"ranks \[1\] did not answer"):
             ranks.run(_sleep_on_rank1, 60)
-        assert time.monotonic() - t0 < 3 + 5
+        assert time.monotonic() - t0 < 40  # the 3 s timeout, not the rank's 60 s sleep
         assert not ranks.alive and not any(p.is_alive() for p in procs)
 
 
