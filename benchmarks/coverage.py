@@ -38,7 +38,8 @@ REPRESENTATIVE = [
     "gpt2", "gptj", "gpt_neox", "opt", "bloom", "falcon", "llama", "mistral", "mixtral", "qwen2",
     "qwen2_moe", "gemma", "gemma2", "phi", "phi3", "stablelm", "cohere", "glm", "helium", "olmo",
     "olmo2", "bert", "roberta", "t5", "bart", "gpt_bigcode", "codegen", "persimmon", "mpt",
-    "qwen3", "deepseek_v3", "dbrx", "gemma3_text", "deberta-v2", "mamba", "xglm",
+    "qwen3", "deepseek_v3", "dbrx", "gemma3_text", "deberta-v2", "mamba", "xglm", "gpt_neo",
+    "qwen3_moe", "olmoe", "starcoder2", "gpt_oss", "deepseek_v2", "nemotron", "electra", "mbart",
 ]
 QUICK = ["gpt2", "llama", "bert", "t5"]
 
@@ -58,12 +59,14 @@ SHRINK = {
     **dict.fromkeys(["max_position_embeddings", "n_positions", "n_ctx", "max_seq_len"], 128),
     **dict.fromkeys(["head_dim", "d_kv", "kv_channels", "attention_head_size"], 16),
     **dict.fromkeys(["num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"], 4),
-    **dict.fromkeys(["num_experts_per_tok", "moe_topk", "num_experts_per_token"], 2),
+    **dict.fromkeys(["num_experts_per_tok", "moe_topk", "num_experts_per_token", "moe_top_k"], 2),
     "vocab_size": VOCAB, "rotary_dim": 8, "q_lora_rank": 32, "kv_lora_rank": 32,
     "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "first_k_dense_replace": 1,
     "n_group": 1, "topk_group": 1, "sliding_window": 64, "use_cache": False,
 }
-KV_HEADS = ["num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num"]
+KV_HEADS = ["num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num",
+            "kv_n_heads"]
+NON_TEXT = re.compile(r"vision|audio|speech|image|visual|vq|text_config|encoder_config")
 TOKEN_IDS = ["pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id",
              "sep_token_id", "cls_token_id", "mask_token_id"]
 CROSS_ATTENTION = re.compile(r"cross|encoder_attn|EncDecAttention", re.I)
@@ -90,12 +93,23 @@ def tiny_config(model_type: str):
     """The family's default config with every known size attribute shrunk."""
     from transformers import CONFIG_MAPPING
     cls = CONFIG_MAPPING[model_type]
-    default = cls()
-    attrs = default.to_dict()
-    multimodal = [k for k, v in attrs.items() if k.endswith("_config") and isinstance(v, dict)]
-    if multimodal:
-        raise NotBuilt(f"composite config ({', '.join(multimodal)}): needs non-text inputs")
+    attrs = cls().to_dict()
+    nested = [k for k, v in attrs.items() if k.endswith("_config") and isinstance(v, dict)]
+    composite = [k for k in nested if NON_TEXT.search(k)]
+    if composite:
+        raise NotBuilt(f"composite config ({', '.join(composite)}): a wrapper around a text "
+                       "model, or needs non-text inputs")
+    overrides = shrunk(attrs)
+    for k in nested:  # a text model's own sub-configs (MPT's attn_config, DBRX's ffn_config)
+        overrides[k] = {**attrs[k], **shrunk(attrs[k])}
+    return cls(**overrides)
+
+
+def shrunk(attrs: dict) -> dict:
+    """Tiny values for the size attributes present in ``attrs`` (a config's ``to_dict()``)."""
     overrides = {k: v for k, v in SHRINK.items() if attrs.get(k) is not None}
+    if attrs.get("qk_rope_head_dim") is not None and "head_dim" in overrides:
+        overrides["head_dim"] = SHRINK["qk_rope_head_dim"]  # MLA: head_dim is the rotary part
     for k in KV_HEADS:
         if attrs.get(k) is not None:
             overrides[k] = 1 if attrs[k] == 1 else 2  # keep multi-query families multi-query
@@ -104,7 +118,7 @@ def tiny_config(model_type: str):
             overrides[k] = v[:2]
         elif k in TOKEN_IDS and isinstance(v, int) and v >= VOCAB:
             overrides[k] = TOKEN_IDS.index(k) % 3
-    return cls(**overrides)
+    return overrides
 
 
 class NotBuilt(Exception):
@@ -181,21 +195,32 @@ def _head(e: Exception, n: int = 160) -> str:
 def plan_facts(model, plan) -> dict:
     """What the plan says: bytes per rank, collectives, replicated GEMMs and why."""
     replicated = replicated_gemms(model, plan)
-    reasons = [f"{d.module}: {d.rule}" for d in plan.decisions
-               if d.role == "replicated" and any(d.module and r.startswith(d.module + ".")
-                                                 for r in replicated)]
+    reasons = _unique(_fold(f"{d.module}: {d.rule}") for d in plan.decisions
+                      if d.role == "replicated" and any(d.module and r.startswith(d.module + ".")
+                                                        for r in replicated))
     counted = [c for c in plan.collectives if c.purpose != "gather_output"]
     return {"bytes_per_rank": plan.memory.param_bytes_per_rank,
             "bytes_unsharded": plan.memory.param_bytes_unsharded,
             "collectives": len(counted),
             "extra_kinds": sorted({f"{c.kind} {c.direction} {c.purpose}" for c in counted
                                    if c.purpose not in ("f", "g", "vocab_loss")}),
-            "replicated": replicated, "reasons": reasons[:3], "warnings": plan.warnings[:3]}
+            "replicated": replicated, "reasons": reasons[:2],
+            "warnings": _unique(_fold(w) for w in plan.warnings)[:2]}
+
+
+def _fold(text: str) -> str:
+    """Layer indices and graph node names taken out, so that layers share one line."""
+    text = re.sub(r"\.\d+\.", ".*.", " ".join(text.split()))
+    return re.sub(r" at \w+ \(", " (", text)[:200]
+
+
+def _unique(items) -> list[str]:
+    return list(dict.fromkeys(items))
 
 
 def replicated_gemms(model, plan) -> list[str]:
-    """Weights of layer GEMMs (attention, MLP, experts; not norms, embeddings, routers) left
-    whole on every rank."""
+    """Weights of layer GEMMs (attention, MLP, experts; not norms, embeddings, routers: 2-D
+    with a dim of the expert count) left whole on every rank."""
     import torch.nn as nn
     n_experts = next((getattr(model.config, k) for k in ("num_experts", "num_local_experts",
                                                           "n_routed_experts", "moe_num_experts")
@@ -207,7 +232,7 @@ def replicated_gemms(model, plan) -> list[str]:
         mod = owners.get(entry.name)
         if (entry.layout != "R" or len(entry.global_shape) < 2 or not LAYER.match(entry.name)
                 or isinstance(mod, nn.Embedding) or "norm" in type(mod).__name__.lower()
-                or entry.global_shape[0] == n_experts or entry.global_shape[-1] == n_experts):
+                or (len(entry.global_shape) == 2 and n_experts in entry.global_shape)):
             continue
         out.append(entry.name)
     return out
@@ -248,7 +273,7 @@ def classify(run: dict) -> tuple[str, str]:
         where = f" at {run['divergent']}" if run.get("divergent") else ""
         return "mismatch", run["worst"] + where
     if run["replicated"]:
-        why = "; ".join(run["reasons"] or run["warnings"]) or "no decision names a reason"
+        why = "; ".join(run["reasons"] or run["warnings"]) or "the plan names no reason"
         return "equal+replicated", f"{_names(run['replicated'])} replicated ({why})"
     return "equal+sharded", ""
 
@@ -265,7 +290,11 @@ def row(family: str, task: str, result: dict) -> list[str]:
         return [family, "not built", result["not_built"], "", "", ""]
     cells = {tp: classify(run) for tp, run in result["runs"].items()}
     outcomes = " / ".join(o for o, _ in cells.values())
-    details = " ".join(f"tp{tp}: {d}" for tp, (_, d) in cells.items() if d)
+    details = {d: [] for _, d in cells.values() if d}  # a detail shared by both tps once
+    for tp, (_, d) in cells.items():
+        if d:
+            details[d].append(f"tp{tp}")
+    details = " ".join(f"{' and '.join(tps)}: {d}" for d, tps in details.items())
     want = megatron_collectives(result["layers"], task)
     share, comm, times = [], [], []
     for tp, run in result["runs"].items():
@@ -287,8 +316,9 @@ def outcome_of(result: dict) -> str:
                                     "crash").index(o))
 
 
-def survey(selected: list[str]) -> list[tuple[str, str, dict]]:
-    """Each family in its own child process; a timeout or a dead child is a crash."""
+def survey(selected: list[str]):
+    """Each family in its own child process (a timeout or a dead child is a crash); yields
+    the results so far after each family."""
     known = families()
     out = []
     for family in selected:
@@ -299,7 +329,7 @@ def survey(selected: list[str]) -> list[tuple[str, str, dict]]:
         out.append((family, task, result))
         print(f"{family:24} {outcome_of(result):18} {result['wall_s']:5.0f} s", file=sys.stderr,
               flush=True)
-    return out
+        yield out
 
 
 def run_child(family: str, task: str, class_name: str) -> dict:
@@ -398,13 +428,14 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"unknown families: {', '.join(unknown)}")
     load_before, t0 = os.getloadavg(), time.perf_counter()
-    results = survey(selected)
-    text = document(results, selection, (load_before[0], os.getloadavg()[0]),
-                    time.perf_counter() - t0)
+    for results in survey(selected):  # the doc is rewritten after each family
+        done = "" if len(results) == len(selected) else \
+            f" (in progress: {len(results)} of {len(selected)} done)"
+        text = document(results, selection + done, (load_before[0], os.getloadavg()[0]),
+                        time.perf_counter() - t0)
+        if not (args.quick or args.no_write):
+            DOC.write_text(text)
     print(text)
-    if not (args.quick or args.no_write):
-        DOC.write_text(text)
-        print(f"\nwritten to {DOC.relative_to(ROOT)}", file=sys.stderr)
     return 0
 
 

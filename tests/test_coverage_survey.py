@@ -16,6 +16,8 @@ def test_tiny_config_shrinks_sizes_and_keeps_multi_query():
     assert bigcode.multi_query and bigcode.n_embd == 64
     llama = coverage.tiny_config("llama")
     assert (llama.num_key_value_heads, llama.intermediate_size) == (2, 128)
+    dbrx = coverage.tiny_config("dbrx").to_dict()  # a text model's own sub-configs shrink too
+    assert (dbrx["d_model"], dbrx["ffn_config"]["moe_num_experts"]) == (64, 4)
 
 
 def test_composite_config_is_not_built():
@@ -53,6 +55,8 @@ def test_worst_outcome_over_tps_and_folded_names():
     assert coverage.outcome_of({"not_built": "needs vision"}) == "not built"
     names = ["m.layers.0.mlp.fc1.weight", "m.layers.1.mlp.fc1.weight"]
     assert coverage._names(names) == "m.layers.*.mlp.fc1.weight"
+    assert coverage._fold("h.1.attn: no rule for stack at stack_3 (in h.1.attn)") == \
+        "h.*.attn: no rule for stack (in h.*.attn)"
 
 
 def test_gpt2_surveys_equal_and_sharded():
