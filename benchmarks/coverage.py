@@ -76,11 +76,12 @@ LAYER = re.compile(r"^(.*?\.)(\d+)\.")
 # ----------------------------------------------------------------- enumerating families
 
 def families() -> dict[str, tuple[str, str]]:
-    """model type -> (task, model class name): causal LM first, then seq2seq, then masked LM."""
+    """model type -> (task, model class name): seq2seq first (BART's causal LM is its decoder
+    alone, with cross-attention weights it never uses), then causal LM, then masked LM."""
     from transformers.models.auto import modeling_auto as ma
     found: dict[str, tuple[str, str]] = {}
-    for task, mapping in [("causal", ma.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
-                          ("seq2seq", ma.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES),
+    for task, mapping in [("seq2seq", ma.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES),
+                          ("causal", ma.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
                           ("masked", ma.MODEL_FOR_MASKED_LM_MAPPING_NAMES)]:
         for model_type, cls in mapping.items():
             found.setdefault(model_type, (task, cls if isinstance(cls, str) else cls[0]))
