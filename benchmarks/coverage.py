@@ -1,0 +1,444 @@
+"""Coverage survey: every text model family transformers ships, planned and verified.
+
+    python -m benchmarks.coverage             # the representative families; writes docs/coverage.md
+    python -m benchmarks.coverage --all       # every causal-LM, masked-LM and seq2seq family
+    python -m benchmarks.coverage --quick     # a handful of families; prints only
+    python -m benchmarks.coverage --families gpt2,t5 --no-write
+
+Each family is built from its own default config shrunk to a tiny size (hidden
+64, 2 layers, 4 heads, 2 KV heads or 1 where the family is multi-query, vocab
+256, 4 experts with top-2) with random weights and a fixed seed, in a fresh
+child process with a time limit, so a hang or a crash cannot stop the survey.
+The child times ``shardplan.plan`` and runs ``shardplan.verify`` at tp 2 and 4
+on simulated ranks; the parent classifies each run and writes the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+from ._common import ROOT, machine, parser
+
+DOC = ROOT / "docs" / "coverage.md"
+COMMAND = "python -m benchmarks.coverage"
+TPS = (2, 4)
+VOCAB = 256
+BATCH, SEQ = 2, 8
+TIMEOUT_S = 240
+
+#: the survey's default: the families the issue names, then a spread of the rest
+REPRESENTATIVE = [
+    "gpt2", "gptj", "gpt_neox", "opt", "bloom", "falcon", "llama", "mistral", "mixtral", "qwen2",
+    "qwen2_moe", "gemma", "gemma2", "phi", "phi3", "stablelm", "cohere", "glm", "helium", "olmo",
+    "olmo2", "bert", "roberta", "t5", "bart", "gpt_bigcode", "codegen", "persimmon", "mpt",
+    "qwen3", "deepseek_v3", "dbrx", "gemma3_text", "deberta-v2", "mamba", "xglm", "gpt_neo",
+    "qwen3_moe", "olmoe", "starcoder2", "gpt_oss", "deepseek_v2", "nemotron", "electra", "mbart",
+]
+QUICK = ["gpt2", "llama", "bert", "t5"]
+
+OUTCOMES = ("equal+sharded", "equal+replicated", "refused", "crash", "mismatch", "not built")
+
+# attribute name -> tiny value, set wherever the family's default config has the attribute
+SHRINK = {
+    **dict.fromkeys(["hidden_size", "n_embd", "d_model", "dim", "n_embed", "embed_dim",
+                     "word_embed_proj_dim", "embedding_size"], 64),
+    **dict.fromkeys(["num_hidden_layers", "n_layer", "num_layers", "n_layers", "num_decoder_layers",
+                     "encoder_layers", "decoder_layers"], 2),
+    **dict.fromkeys(["num_attention_heads", "n_head", "num_heads", "n_heads",
+                     "encoder_attention_heads", "decoder_attention_heads"], 4),
+    **dict.fromkeys(["intermediate_size", "n_inner", "d_ff", "ffn_dim", "encoder_ffn_dim",
+                     "decoder_ffn_dim", "ffn_hidden_size", "moe_intermediate_size",
+                     "shared_expert_intermediate_size", "ffn_config_hidden"], 128),
+    **dict.fromkeys(["max_position_embeddings", "n_positions", "n_ctx", "max_seq_len"], 128),
+    **dict.fromkeys(["head_dim", "d_kv", "kv_channels", "attention_head_size"], 16),
+    **dict.fromkeys(["num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"], 4),
+    **dict.fromkeys(["num_experts_per_tok", "moe_topk", "num_experts_per_token", "moe_top_k"], 2),
+    "vocab_size": VOCAB, "rotary_dim": 8, "q_lora_rank": 32, "kv_lora_rank": 32,
+    "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "first_k_dense_replace": 1,
+    "n_group": 1, "topk_group": 1, "sliding_window": 64, "use_cache": False,
+}
+KV_HEADS = ["num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num",
+            "kv_n_heads"]
+NON_TEXT = re.compile(r"vision|audio|speech|image|visual|vq|text_config|encoder_config")
+TOKEN_IDS = ["pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id",
+             "sep_token_id", "cls_token_id", "mask_token_id"]
+CROSS_ATTENTION = re.compile(r"cross|encoder_attn|EncDecAttention", re.I)
+LAYER = re.compile(r"^(.*?\.)(\d+)\.")
+
+
+# ----------------------------------------------------------------- enumerating families
+
+def families() -> dict[str, tuple[str, str]]:
+    """model type -> (task, model class name): seq2seq first (BART's causal LM is its decoder
+    alone, with cross-attention weights it never uses), then causal LM, then masked LM."""
+    from transformers.models.auto import modeling_auto as ma
+    found: dict[str, tuple[str, str]] = {}
+    for task, mapping in [("seq2seq", ma.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES),
+                          ("causal", ma.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
+                          ("masked", ma.MODEL_FOR_MASKED_LM_MAPPING_NAMES)]:
+        for model_type, cls in mapping.items():
+            found.setdefault(model_type, (task, cls if isinstance(cls, str) else cls[0]))
+    return found
+
+
+# ----------------------------------------------------------------- the child: one family
+
+def tiny_config(model_type: str):
+    """The family's default config with every known size attribute shrunk."""
+    from transformers import CONFIG_MAPPING
+    cls = CONFIG_MAPPING[model_type]
+    attrs = cls().to_dict()
+    nested = [k for k, v in attrs.items() if k.endswith("_config") and isinstance(v, dict)]
+    composite = [k for k in nested if NON_TEXT.search(k)]
+    if composite:
+        raise NotBuilt(f"composite config ({', '.join(composite)}): a wrapper around a text "
+                       "model, or needs non-text inputs")
+    overrides = shrunk(attrs)
+    for k in nested:  # a text model's own sub-configs (MPT's attn_config, DBRX's ffn_config)
+        overrides[k] = {**attrs[k], **shrunk(attrs[k])}
+    return cls(**overrides)
+
+
+def shrunk(attrs: dict) -> dict:
+    """Tiny values for the size attributes present in ``attrs`` (a config's ``to_dict()``)."""
+    overrides = {k: v for k, v in SHRINK.items() if attrs.get(k) is not None}
+    if attrs.get("qk_rope_head_dim") is not None and "head_dim" in overrides:
+        overrides["head_dim"] = SHRINK["qk_rope_head_dim"]  # MLA: head_dim is the rotary part
+    for k in KV_HEADS:
+        if attrs.get(k) is not None:
+            overrides[k] = 1 if attrs[k] == 1 else 2  # keep multi-query families multi-query
+    for k, v in attrs.items():
+        if k == "layer_types" and isinstance(v, list):
+            overrides[k] = v[:2]
+        elif k in TOKEN_IDS and isinstance(v, int) and v >= VOCAB:
+            overrides[k] = TOKEN_IDS.index(k) % 3
+    return overrides
+
+
+class NotBuilt(Exception):
+    """The family cannot be built tiny, or needs inputs this survey does not make."""
+
+
+def build(model_type: str, class_name: str):
+    import torch
+    import transformers
+    cfg = tiny_config(model_type)
+    cfg._attn_implementation = "eager"
+    cls = getattr(transformers, class_name, None)
+    if cls is None:
+        raise NotBuilt(f"transformers exports no {class_name}")
+    torch.manual_seed(0)
+    try:
+        model = cls._from_config(cfg)
+    except ImportError as e:
+        raise NotBuilt(f"needs a package: {_head(e)}") from e
+    return model.float().eval()
+
+
+def example_inputs(task: str) -> dict:
+    import torch
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, VOCAB, (BATCH, SEQ), generator=g)
+    inputs = {"input_ids": ids, "labels": torch.randint(3, VOCAB, (BATCH, SEQ), generator=g)}
+    if task == "seq2seq":
+        inputs["decoder_input_ids"] = torch.randint(3, VOCAB, (BATCH, SEQ), generator=g)
+    return inputs
+
+
+def run_family(model_type: str, task: str, class_name: str) -> dict:
+    """Build, then plan and verify at each tp; a JSON-able result."""
+    t0 = time.perf_counter()
+    try:
+        model = build(model_type, class_name)
+        model(**example_inputs(task))  # eager forward: a model that cannot run is not built
+    except Exception as e:  # noqa: BLE001 - any failure to build tiny is recorded with its reason
+        reason = str(e) if isinstance(e, NotBuilt) else f"{type(e).__name__}: {_head(e)}"
+        return {"family": model_type, "class": class_name, "not_built": reason}
+    build_s = time.perf_counter() - t0
+    runs = {tp: run_tp(model, tp, example_inputs(task)) for tp in TPS}
+    return {"family": model_type, "class": class_name, "build_s": build_s,
+            "layers": _layer_counts(model), "runs": runs}
+
+
+def run_tp(model, tp: int, inputs: dict) -> dict:
+    import shardplan
+    t0 = time.perf_counter()
+    try:
+        plan = shardplan.plan(model, tp, example_inputs=inputs)
+    except Exception as e:  # noqa: BLE001
+        return _error("plan", e, isinstance(e, shardplan.ShardplanError))
+    out = {"plan_s": time.perf_counter() - t0, **plan_facts(model, plan)}
+    try:
+        report = shardplan.verify(model, tp, example_inputs=inputs)
+    except Exception as e:  # noqa: BLE001
+        return {**out, **_error("verify", e, False)}
+    w = report.worst()
+    return {**out, "ok": report.ok, "worst": f"{w.name}: abs {w.max_abs:.1e}",
+            "divergent": report.first_divergent_node}
+
+
+def _error(stage: str, e: Exception, refused: bool) -> dict:
+    return {"error": f"{type(e).__name__}: {_head(e)}", "stage": stage, "refused": refused}
+
+
+def _head(e: Exception, n: int = 160) -> str:
+    text = " ".join(str(e).split())
+    return text[:n] + ("..." if len(text) > n else "")
+
+
+def plan_facts(model, plan) -> dict:
+    """What the plan says: bytes per rank, collectives, replicated GEMMs and why."""
+    replicated = replicated_gemms(model, plan)
+    reasons = _unique(_fold(f"{d.module}: {d.rule}") for d in plan.decisions
+                      if d.role == "replicated" and any(d.module and r.startswith(d.module + ".")
+                                                        for r in replicated))
+    counted = [c for c in plan.collectives if c.purpose != "gather_output"]
+    return {"bytes_per_rank": plan.memory.param_bytes_per_rank,
+            "bytes_unsharded": plan.memory.param_bytes_unsharded,
+            "collectives": len(counted),
+            "extra_kinds": sorted({f"{c.kind} {c.direction} {c.purpose}" for c in counted
+                                   if c.purpose not in ("f", "g", "vocab_loss")}),
+            "replicated": replicated, "reasons": reasons[:2],
+            "warnings": _unique(_fold(w) for w in plan.warnings)[:2]}
+
+
+def _fold(text: str) -> str:
+    """Layer indices and graph node names taken out, so that layers share one line."""
+    text = re.sub(r"\.\d+\.", ".*.", " ".join(text.split()))
+    return re.sub(r" at \w+ \(", " (", text)[:200]
+
+
+def _unique(items) -> list[str]:
+    return list(dict.fromkeys(items))
+
+
+def replicated_gemms(model, plan) -> list[str]:
+    """Weights of layer GEMMs (attention, MLP, experts; not norms, embeddings, routers: 2-D
+    with a dim of the expert count) left whole on every rank."""
+    import torch.nn as nn
+    n_experts = next((getattr(model.config, k) for k in ("num_experts", "num_local_experts",
+                                                          "n_routed_experts", "moe_num_experts")
+                      if isinstance(getattr(model.config, k, None), int)), None)
+    owners = {f"{m}.{p}" if m else p: mod for m, mod in model.named_modules()
+              for p, _ in mod.named_parameters(recurse=False)}
+    out = []
+    for entry in plan.params:
+        mod = owners.get(entry.name)
+        if (entry.layout != "R" or len(entry.global_shape) < 2 or not LAYER.match(entry.name)
+                or isinstance(mod, nn.Embedding) or "norm" in type(mod).__name__.lower()
+                or (len(entry.global_shape) == 2 and n_experts in entry.global_shape)):
+            continue
+        out.append(entry.name)
+    return out
+
+
+def _layer_counts(model) -> dict[str, int]:
+    """Layers per block list, and how many of them hold cross-attention."""
+    stacks: dict[str, set] = {}
+    cross: set[str] = set()
+    for name, _ in model.named_modules():
+        m = LAYER.match(name + ".")
+        if m and not LAYER.match(m.group(1)):  # the outermost numbered list only
+            stacks.setdefault(m.group(1), set()).add(m.group(2))
+            if CROSS_ATTENTION.search(name):
+                cross.add(m.group(0))
+    layers = sum(len(v) for v in stacks.values())
+    return {"layers": layers, "cross": len(cross)}
+
+
+# ----------------------------------------------------------------- the parent: classify, write
+
+def megatron_collectives(layers: dict, task: str) -> int:
+    """Megatron's count for the survey's step: 2 forward + 2 backward all-reduces per layer,
+    3 + 4 for a layer with cross-attention (its K/V f on the encoder output); one g per
+    vocab-parallel embedding lookup (2 in an encoder-decoder), one f for the LM head, 3 for
+    the vocab-parallel cross-entropy."""
+    lookups = 2 if task == "seq2seq" else 1
+    return 4 * layers["layers"] + 3 * layers["cross"] + lookups + 1 + 3
+
+
+def classify(run: dict) -> tuple[str, str]:
+    """(outcome, detail) of one tp run."""
+    if "error" in run:
+        if run["refused"]:
+            return "refused", run["error"]
+        return "crash", f"{run['stage']}: {run['error']}"
+    if not run["ok"]:
+        where = f" at {run['divergent']}" if run.get("divergent") else ""
+        return "mismatch", run["worst"] + where
+    if run["replicated"]:
+        why = "; ".join(run["reasons"] or run["warnings"]) or "the plan names no reason"
+        return "equal+replicated", f"{_names(run['replicated'])} replicated ({why})"
+    return "equal+sharded", ""
+
+
+def _names(params: list[str]) -> str:
+    """Parameter names with layer indices folded: ``layers.*.mlp.fc1.weight``."""
+    folded = sorted({re.sub(r"\.\d+\.", ".*.", p) for p in params})
+    return ", ".join(folded[:4]) + (f" (+{len(folded) - 4})" if len(folded) > 4 else "")
+
+
+def row(family: str, task: str, result: dict) -> list[str]:
+    """One table row per family."""
+    if "not_built" in result:
+        return [family, "not built", result["not_built"], "", "", ""]
+    cells = {tp: classify(run) for tp, run in result["runs"].items()}
+    outcomes = " / ".join(o for o, _ in cells.values())
+    details = {d: [] for _, d in cells.values() if d}  # a detail shared by both tps once
+    for tp, (_, d) in cells.items():
+        if d:
+            details[d].append(f"tp{tp}")
+    details = " ".join(f"{' and '.join(tps)}: {d}" for d, tps in details.items())
+    want = megatron_collectives(result["layers"], task)
+    share, comm, times = [], [], []
+    for tp, run in result["runs"].items():
+        if "plan_s" not in run:
+            continue
+        share.append(f"{run['bytes_per_rank'] / run['bytes_unsharded']:.2f}")
+        extra = f" (+{', '.join(run['extra_kinds'])})" if run["extra_kinds"] else ""
+        comm.append(f"{run['collectives']}/{want}{extra}")
+        times.append(f"{run['plan_s']:.1f}")
+    return [family, outcomes, details, " / ".join(share), " / ".join(comm), " / ".join(times)]
+
+
+def outcome_of(result: dict) -> str:
+    """The family's summary outcome: its worst over the tps."""
+    if "not_built" in result:
+        return "not built"
+    seen = [classify(run)[0] for run in result["runs"].values()]
+    return max(seen, key=lambda o: ("equal+sharded", "equal+replicated", "refused", "mismatch",
+                                    "crash").index(o))
+
+
+def survey(selected: list[str]):
+    """Each family in its own child process (a timeout or a dead child is a crash); yields
+    the results so far after each family."""
+    known = families()
+    out = []
+    for family in selected:
+        task, class_name = known[family]
+        t0 = time.perf_counter()
+        result = run_child(family, task, class_name)
+        result["wall_s"] = time.perf_counter() - t0
+        out.append((family, task, result))
+        print(f"{family:24} {outcome_of(result):18} {result['wall_s']:5.0f} s", file=sys.stderr,
+              flush=True)
+        yield out
+
+
+def run_child(family: str, task: str, class_name: str) -> dict:
+    cmd = [sys.executable, "-m", "benchmarks.coverage", "--child",
+           json.dumps([family, task, class_name])]
+    try:
+        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return _dead(f"no result within {TIMEOUT_S} s")
+    lines = r.stdout.strip().splitlines()
+    if r.returncode != 0 or not lines:
+        tail = " ".join(r.stderr.strip().splitlines()[-1:])[:160]
+        return _dead(f"child exited {r.returncode}: {tail}")
+    return json.loads(lines[-1])
+
+
+def _dead(why: str) -> dict:
+    return {"runs": {tp: {"error": why, "stage": "child", "refused": False} for tp in TPS},
+            "layers": {"layers": 0, "cross": 0}}
+
+
+def summary(results) -> str:
+    counts = {o: 0 for o in OUTCOMES}
+    for _, _, r in results:
+        counts[outcome_of(r)] += 1
+    return ", ".join(f"{n} {o}" for o, n in counts.items())
+
+
+def table(results) -> str:
+    lines = ["| family | outcome tp2 / tp4 | detail | params per rank / unsharded, tp2 / tp4 "
+             "| collectives / Megatron, tp2 / tp4 | plan s, tp2 / tp4 |",
+             "|---|---|---|---:|---|---:|"]
+    for family, task, result in results:
+        cells = [c.replace("|", "\\|") for c in row(family, task, result)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def document(results, selection: str, load: tuple, wall_s: float) -> str:
+    import transformers
+    return "\n".join([
+        "# Coverage survey", "",
+        "Every text model family the pinned transformers ships, built tiny with random weights, "
+        "planned and verified by `shardplan` at tp 2 and 4 on simulated ranks. Regenerate it on "
+        "every change to the engine, from the repository root:", "",
+        "```sh", COMMAND + ("  # --all: every family" if selection != "all" else " --all"), "```",
+        "",
+        f"Machine: {machine()}; transformers {transformers.__version__}. Measured {datetime.date.today().isoformat()}, 1-minute load "
+        f"{load[0]:.2f} before, {load[1]:.2f} after; the survey took {wall_s / 60:.0f} min.", "",
+        f"Families: {selection}.", "",
+        f"**Summary ({len(results)} families, worst outcome over tp 2 and 4): "
+        f"{summary(results)}.**", "",
+        "How to read it:", "",
+        "- Each family's default config with hidden 64, 2 layers (2 + 2 in an encoder-decoder), "
+        "4 heads, 2 KV heads (1 where the family defaults to multi-query), head dim 16, "
+        f"intermediate 128, vocab {VOCAB}, 4 experts with top-2, eager attention, `use_cache=False`;"
+        f" inputs `input_ids` and `labels` ({BATCH}x{SEQ}; `decoder_input_ids` for seq2seq).",
+        "- `equal+sharded`: `verify` equal (outputs, loss, every gradient) and every layer GEMM "
+        "weight (attention, MLP, experts; not norms, embeddings or routers) split. "
+        "`equal+replicated`: equal, but the listed weights stay whole on every rank (the reason "
+        "is the plan's decision or warning). `refused`: `plan` raised a `ShardplanError`. "
+        "`crash`: any other exception, or an error while verifying. `mismatch`: `verify` not "
+        "equal (worst difference, first divergent node). `not built`: the tiny model could not "
+        "be built or run unsharded.",
+        "- params per rank / unsharded: `plan.memory` bytes (1/tp is the ideal; replicated "
+        "norms and small layers lift it).",
+        "- collectives / Megatron: the plan's collectives for one forward and backward (the "
+        "logits' gather for `verify` left out) against Megatron's count for the same step: "
+        "4 all-reduces per layer (2 forward, 2 backward; 7 for a layer with cross-attention), "
+        "one per vocab-parallel embedding lookup, one for the LM head's f, 3 for the "
+        "vocab-parallel cross-entropy. Kinds other than f, g and the loss's are named.", "",
+        table(results), ""])
+
+
+def main(argv=None) -> int:
+    ap = parser(__doc__, "a handful of families")
+    ap.add_argument("--all", action="store_true", help="every family, not the representative set")
+    ap.add_argument("--families", help="comma-separated model types (e.g. gpt2,t5)")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        print(json.dumps(run_family(*json.loads(args.child))))
+        return 0
+    known = families()
+    if args.families:
+        selected, selection = args.families.split(","), f"selected ({args.families})"
+    elif args.quick:
+        selected, selection = QUICK, "quick"
+    elif args.all:
+        selected, selection = sorted(known), "all"
+    else:
+        selected = [f for f in REPRESENTATIVE if f in known]
+        selection = (f"a representative {len(selected)} of the {len(known)} causal-LM, masked-LM "
+                     "and seq2seq families (`--all` surveys every one)")
+    unknown = [f for f in selected if f not in known]
+    if unknown:
+        ap.error(f"unknown families: {', '.join(unknown)}")
+    load_before, t0 = os.getloadavg(), time.perf_counter()
+    for results in survey(selected):  # the doc is rewritten after each family
+        done = "" if len(results) == len(selected) else \
+            f" (in progress: {len(results)} of {len(selected)} done)"
+        text = document(results, selection + done, (load_before[0], os.getloadavg()[0]),
+                        time.perf_counter() - t0)
+        if not (args.quick or args.no_write):
+            DOC.write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

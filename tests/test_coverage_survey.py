@@ -1,0 +1,68 @@
+"""The coverage survey's own logic: tiny configs, outcome classification, the Megatron count."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import coverage
+
+pytest.importorskip("transformers")
+
+
+def test_tiny_config_shrinks_sizes_and_keeps_multi_query():
+    gpt2 = coverage.tiny_config("gpt2")
+    assert (gpt2.n_embd, gpt2.n_layer, gpt2.n_head, gpt2.vocab_size) == (64, 2, 4, coverage.VOCAB)
+    bigcode = coverage.tiny_config("gpt_bigcode")
+    assert bigcode.multi_query and bigcode.n_embd == 64
+    llama = coverage.tiny_config("llama")
+    assert (llama.num_key_value_heads, llama.intermediate_size) == (2, 128)
+    dbrx = coverage.tiny_config("dbrx").to_dict()  # a text model's own sub-configs shrink too
+    assert (dbrx["d_model"], dbrx["ffn_config"]["moe_num_experts"]) == (64, 4)
+
+
+def test_composite_config_is_not_built():
+    with pytest.raises(coverage.NotBuilt, match="composite config"):
+        coverage.tiny_config("llava")
+
+
+def test_megatron_count():
+    assert coverage.megatron_collectives({"layers": 2, "cross": 0}, "causal") == 8 + 1 + 1 + 3
+    # encoder-decoder: 2 + 2 layers, the decoder's with cross-attention; 2 embedding lookups
+    assert coverage.megatron_collectives({"layers": 4, "cross": 2}, "seq2seq") == 22 + 2 + 1 + 3
+
+
+def _run(**kw):
+    return {"ok": True, "worst": "loss: abs 0.0e+00", "divergent": None, "replicated": [],
+            "reasons": [], "warnings": [], **kw}
+
+
+@pytest.mark.parametrize("run, outcome", [
+    (_run(), "equal+sharded"),
+    (_run(replicated=["model.layers.0.mlp.fc1.weight"], reasons=["model.layers.0.mlp: x"]),
+     "equal+replicated"),
+    (_run(ok=False, divergent="linear_3"), "mismatch"),
+    ({"error": "DivisibilityError: 5 heads", "stage": "plan", "refused": True}, "refused"),
+    ({"error": "LayoutError: no layout", "stage": "verify", "refused": False}, "crash"),
+    ({"error": "RuntimeError: shapes", "stage": "plan", "refused": False}, "crash"),
+])
+def test_classify(run, outcome):
+    assert coverage.classify(run)[0] == outcome
+
+
+def test_worst_outcome_over_tps_and_folded_names():
+    result = {"runs": {2: _run(), 4: _run(ok=False)}}
+    assert coverage.outcome_of(result) == "mismatch"
+    assert coverage.outcome_of({"not_built": "needs vision"}) == "not built"
+    names = ["m.layers.0.mlp.fc1.weight", "m.layers.1.mlp.fc1.weight"]
+    assert coverage._names(names) == "m.layers.*.mlp.fc1.weight"
+    assert coverage._fold("h.1.attn: no rule for stack at stack_3 (in h.1.attn)") == \
+        "h.*.attn: no rule for stack (in h.*.attn)"
+
+
+def test_gpt2_surveys_equal_and_sharded():
+    model = coverage.build("gpt2", "GPT2LMHeadModel")
+    layers = coverage._layer_counts(model)
+    assert layers == {"layers": 2, "cross": 0}
+    run = coverage.run_tp(model, 2, coverage.example_inputs("causal"))
+    assert coverage.classify(run) == ("equal+sharded", "")
+    assert run["collectives"] == coverage.megatron_collectives(layers, "causal")
