@@ -202,7 +202,7 @@ def _truncated(model: nn.Module):
     cut: dict[str, tuple[int, int]] = {}
     saved = []
     for name, mod in model.named_modules():
-        if isinstance(mod, nn.ModuleList) and len(mod) >= 3 and _identical(list(mod)):
+        if _cuttable(mod):
             saved.append((mod, list(mod._modules.items())))
             cut[name] = (2, len(mod))
     try:
@@ -212,6 +212,15 @@ def _truncated(model: nn.Module):
     finally:
         for mod, items in saved:
             mod._modules = dict(items)
+
+
+def has_repeated_blocks(model: nn.Module) -> bool:
+    """Would ``capture(..., truncate=True)`` cut a list of ``model``?"""
+    return any(_cuttable(m) for m in model.modules())
+
+
+def _cuttable(mod: nn.Module) -> bool:
+    return isinstance(mod, nn.ModuleList) and len(mod) >= 3 and _identical(list(mod))
 
 
 def _identical(blocks: list[nn.Module]) -> bool:

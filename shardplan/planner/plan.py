@@ -16,8 +16,9 @@ import torch.nn as nn
 from pydantic import BaseModel, Field
 
 from . import blocks
-from .capture import Captured, capture, module_of, source_of
+from .capture import Captured, capture, has_repeated_blocks, module_of, source_of
 from .annotate import Annotation, annotate
+from ..errors import CaptureError
 from .inputs import check_dtypes, check_model_arg, example_args
 from .kinds import Role
 from ..layouts import Replicate, Shard
@@ -134,10 +135,46 @@ def plan(model: nn.Module, tp: int, *, example_inputs=None, rules="megatron",
     check_model_arg(model, tp)
     ruleset = load_rules(rules)
     args, kwargs = example_args(model, example_inputs)
-    captured = capture(model, args, kwargs, truncate=True)
+    captured = _capture_stamped(model, args, kwargs)
     check_dtypes(captured.gm)
     ann = annotate(captured.gm, tp, ruleset, strict=strict)
     return build_plan(model, captured, ann, ruleset, args, kwargs)
+
+
+def _capture_stamped(model: nn.Module, args, kwargs) -> Captured:
+    """A capture with each list of identical blocks cut to two, where stamping block 1
+    onto the rest is exact: the blocks run one after another. Otherwise (a list of
+    per-head norms applied side by side, or a forward that needs the whole list) the
+    whole model, as ``parallelize`` captures it."""
+    try:
+        captured = capture(model, args, kwargs, truncate=True)
+    except CaptureError:
+        if not has_repeated_blocks(model):
+            raise
+        return capture(model, args, kwargs)
+    if all(_chained(captured.gm, path) for path in captured.truncated):
+        return captured
+    return capture(model, args, kwargs)
+
+
+def _chained(gm, path: str) -> bool:
+    """Does block 1 of list ``path`` run on block 0's result, in the same context?
+
+    Every value block 1 reads from outside is computed from block 0, or read
+    by block 0 too (a mask, RoPE tables); and at least one is computed from it.
+    """
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    block = {n: blocks.index_in(module_of(n), path) for n in nodes}
+    first = {n for n in nodes if block[n] == 0}
+    after_first: set = set()
+    for n in gm.graph.nodes:
+        if n in first or any(a in after_first for a in n.all_input_nodes):
+            after_first.add(n)
+    def outside(i):
+        return {a for n in nodes if block[n] == i for a in n.all_input_nodes
+                if a.op != "get_attr" and block.get(a) != i}
+    reads = outside(1)
+    return bool(reads & after_first) and reads <= after_first | outside(0)
 
 
 def build_plan(model: nn.Module, captured: Captured, ann: Annotation, ruleset: RuleSet,
