@@ -20,7 +20,11 @@ import torch.nn.functional as F
 import shardplan
 from shardplan.layouts import Replicate, Shard
 from shardplan.models import build
+from shardplan.planner.capture import capture
+from shardplan.planner.inputs import example_args
+from shardplan.planner.rules import load_rules
 from shardplan.ranks import SimulatedRanks
+from shardplan.sharded import ShardedModule
 
 
 # --------------------------------------------------------------------------- torchtitan Llama 3
@@ -207,7 +211,7 @@ def test_qwen2_moe_shared_expert_gate_plans():
 def _bloom():
     tf = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    cfg = tf.BloomConfig(n_layer=2, hidden_size=64, n_head=4, vocab_size=101)
+    cfg = tf.BloomConfig(n_layer=1, hidden_size=64, n_head=4, vocab_size=101)
     model = tf.BloomForCausalLM(cfg).eval()
     model.config.use_cache = False
     return model
@@ -294,9 +298,15 @@ class PerHeadNorms(nn.Module):
         return self.down(torch.cat([n(p) for n, p in zip(self.norms, parts)], dim=-1))
 
 
-def _parallelized_plan(ctx, model, example):
-    return shardplan.parallelize(copy.deepcopy(model), group=ctx.group,
-                                 example_inputs=example).plan
+def _parallelized_plan(ctx, model, example, captured):
+    """``parallelize(model).plan`` on rank 0, from one whole-model capture made for both
+    ranks (a ``ShardedModule`` is what ``parallelize`` returns; building it does not
+    communicate)."""
+    if ctx.group.rank:
+        return None
+    args, kwargs = example_args(model, example)
+    return ShardedModule(model, ctx.group, load_rules(), example=(args, kwargs),
+                         gather_output=True, strict=False, captured=captured).plan
 
 
 def _summary(p):
@@ -308,13 +318,13 @@ def _summary(p):
 def _hf(kind):
     pytest.importorskip("transformers")
     from hf_cases import build as hf_build, inputs
-    return hf_build(kind, layers=3, heads=8, kv_heads=4), inputs()
+    return hf_build(kind, layers=4, heads=8, kv_heads=4), inputs()
 
 
 CASES = {
     "per-head-norms": lambda: (PerHeadNorms(), torch.randn(2, 5, 32)),
-    "gpt": lambda: (build("gpt-tiny", n_layer=3), None),
-    "llama": lambda: (build("llama-tiny", n_layers=3), None),
+    "gpt": lambda: (build("gpt-tiny", n_layer=4), None),
+    "llama": lambda: (build("llama-tiny", n_layers=4), None),
     "hf-gpt2": lambda: _hf("gpt2"),
     "hf-llama": lambda: _hf("llama"),
     "hf-bert": lambda: _hf("bert"),
@@ -326,14 +336,15 @@ def test_plan_agrees_with_parallelize(case):
     torch.manual_seed(0)
     model, example = CASES[case]()
     p = shardplan.plan(model, 2, example_inputs=example)
-    got = SimulatedRanks(2).run(_parallelized_plan, model, example)[0]
+    args, kwargs = example_args(model, example)
+    got = SimulatedRanks(2).run(_parallelized_plan, model, example, capture(model, args, kwargs))[0]
     assert _summary(p) == _summary(got)
     assert p.warnings == got.warnings
     assert any(q.layout != "R" for q in p.params)
     if case == "per-head-norms":
         assert not p.repeated
     else:
-        assert len(p.repeated) == 1 and list(p.repeated.values())[0][1] == 3
+        assert list(p.repeated.values()) == [[3, 4]]
 
 
 # --------------------------------------------------------------------------- in-place writes
