@@ -127,30 +127,36 @@ def test_torchtitan_llama_views_of_a_ranks_part_are_stride_safe(tp):
     assert not p.warnings
 
 
-class ShardedTransposeView(nn.Module):
-    """Heads split, attention-like transpose, then a ``view`` that only fits because
-    ``contiguous()`` was dropped: the view must see a rank's part safely."""
+class SlicedQueryAttention(nn.Module):
+    """The query passes an op with no rule, so it stays replicated and is sliced to this
+    rank's heads before SDPA; the slice's strides differ from the full tensor's, and the
+    ``view`` after ``transpose(1, 2).contiguous()`` (its ``contiguous`` dropped by export,
+    a no-op at full size) must still fit."""
 
-    def __init__(self, dim=16, heads=4):
+    def __init__(self, dim=32, heads=4):
         super().__init__()
         self.heads = heads
-        self.up, self.down = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim) for _ in range(4))
 
     def forward(self, x):
         b, t, c = x.shape
-        h = self.up(x).view(b, t, self.heads, -1).transpose(1, 2)  # [b, H, t, d]
-        h = torch.tanh(h).transpose(1, 2).contiguous().view(b, t, -1)
-        return self.down(h)
+        q = F.softplus(self.wq(x)).view(b, t, self.heads, -1)
+        k = self.wk(x).view(b, t, self.heads, -1)
+        v = self.wv(x).view(b, t, self.heads, -1)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           is_causal=True)
+        return self.wo(y.transpose(1, 2).contiguous().view(b, t, -1))
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-def test_view_after_transpose_of_a_shard(tp):
+def test_view_of_a_locally_sliced_attention_output(tp):
     torch.manual_seed(0)
-    model, x = ShardedTransposeView(), torch.randn(3, 5, 16)
+    model, x = SlicedQueryAttention(), torch.randn(2, 5, 32)
     report = shardplan.verify(model, tp, example_inputs=x)
     assert report.ok, str(report)
     p = shardplan.plan(model, tp, example_inputs=x)
-    assert p.param("up.weight").layout == "S(0)" and p.param("down.weight").layout == "S(1)"
+    assert p.param("wk.weight").layout == "S(0)" and p.param("wo.weight").layout == "S(1)"
+    assert p.param("wq.weight").layout == "R"  # softplus has no rule: warned, sliced at SDPA
 
 
 # --------------------------------------------------------------------------- outputs that do not split
@@ -189,6 +195,18 @@ def test_width_not_dividing_tp_is_a_replicated_decision():
     assert p.param("layers.0.attention.wq.weight").layout == "S(0)"
     w1, = [d for d in p.decisions if d.module == "layers.0.feed_forward.w1"]
     assert w1.role == "replicated" and "150 does not divide by tp=4" in w1.rule
+
+
+def test_kv_projection_not_dividing_tp_stays_replicated():
+    """6 query heads split 2 per rank at tp=3; the 2 K/V heads do not split (nor can ranks
+    share them), so every rank computes both and reads its query heads' copies."""
+    model = build("llama-tiny", n_heads=6, n_kv_heads=2, dim=48, ffn_hidden=96)
+    report = shardplan.verify(model, 3)
+    assert report.ok, str(report)
+    p = shardplan.plan(model, 3)
+    attn = "layers.0.attention"
+    assert p.param(f"{attn}.wq.weight").layout == "S(0)" and p.param(f"{attn}.wo.weight").layout == "S(1)"
+    assert p.param(f"{attn}.wk.weight").layout == "R" and p.param(f"{attn}.wv.weight").layout == "R"
 
 
 def test_qwen2_moe_shared_expert_gate_plans():
