@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import shardplan
-from shardplan.layouts import Replicate, Shard
+from shardplan.layouts import Shard
 from shardplan.models import build
 from shardplan.planner.capture import capture
 from shardplan.planner.inputs import example_args

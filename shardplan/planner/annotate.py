@@ -72,7 +72,8 @@ def annotate(gm: fx.GraphModule, tp: int, rules: RuleSet, *, strict: bool = Fals
     one model has one layout, however it is called.
     """
     params = dict(gm.named_parameters(remove_duplicate=False))
-    disabled: dict = _kept_replicated(gm, rules, keep) if keep is not None else {}  # opener -> (reason, warn)
+    # opener -> (reason, warn)
+    disabled: dict = _kept_replicated(gm, rules, keep) if keep is not None else {}
     replicas: dict = {}  # opener -> (replicas, the divisibility conflict that asked for them)
     while True:
         ann, conflicts = _Pass(gm, tp, rules, params, disabled,

@@ -240,7 +240,6 @@ class _Rewriter:
         for name, value in local.items():
             set_arg(node, name, value)
 
-
     def _stride_safe(self, orig: fx.Node, node: fx.Node, out) -> None:
         """A view of a tensor that is not whole here becomes a reshape.
 
@@ -251,8 +250,7 @@ class _Rewriter:
         """
         if op_name(orig) not in _VIEWS:
             return
-        x = orig.args[0]
-        read = read_as(self.ann.layouts.get(x))
+        read = read_as(self.ann.layouts.get(orig.args[0]))
         if isinstance(read, Shard) or isinstance(out.needs.get((0,)), Shard):
             size = args_of(node)[_VIEWS[op_name(orig)]]
             node.target, node.args, node.kwargs = aten.reshape.default, (node.args[0], size), {}
