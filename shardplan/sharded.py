@@ -20,7 +20,7 @@ from .layouts import Replicate, Shard, set_spec, spec_of
 from .planner.plan import build_plan
 from .planner.recompute import Recomputed, block_names, outline_blocks
 from .errors import CheckpointError, ConfigurationError
-from .planner.rewrite import bind, rewrite
+from .planner.rewrite import bind, gather_params, rewrite
 from .planner.rules import RuleSet
 from .runtime.comm import Group
 from .runtime.graph_ops import ModelParallelRNG
@@ -90,14 +90,7 @@ class ShardedModule(nn.Module):
         gm = self._graphs.get(key)
         if gm is None:
             with PLANNING_LOCK:
-                ann, captured = self._annotate(args, kwargs, self.training)
-                changed = {k for k in set(ann.params) | set(self._layouts)
-                           if ann.params.get(k, Replicate()) != self._layouts.get(k, Replicate())}
-                if changed:
-                    raise ConfigurationError(
-                        f"calling the model this way changes the layout of {sorted(changed)[:3]}",
-                        fix="call the sharded model the way it was parallelized (example_inputs)")
-                gm = self._graphs[key] = self._finish(ann, captured, args, kwargs)
+                gm = self._graphs[key] = self._graph_for(args, kwargs)
         self._last = key
         return gm(*args, **kwargs)
 
@@ -159,7 +152,30 @@ class ShardedModule(nn.Module):
                 fix="load weights first: shardplan.checkpoint.load_full_state_dict(sharded, path) "
                     "or load_sharded(sharded, checkpoint_dir)")
 
-    def _annotate(self, args, kwargs, training: bool, captured: Captured | None = None):
+    def _graph_for(self, args, kwargs) -> fx.GraphModule:
+        """The rewritten graph of a new way of calling, with the first plan's layouts.
+
+        The new capture is annotated with the parameters the first plan keeps
+        replicated kept so. A parameter the first plan splits but this capture
+        cannot (export specialised a size-1 dim so that the rules read it
+        differently) is all-gathered where this graph reads it: correct, and
+        the shards stay the model's one layout.
+        """
+        canon = {self._aliases.get(k, k): lay for k, lay in self._layouts.items()}
+        keep = {fqn: canon.get(c, Replicate()) for fqn, c in self._aliases.items()}
+        ann, captured = self._annotate(args, kwargs, self.training, keep=keep)
+        sharded_otherwise = [k for k, lay in ann.params.items() if isinstance(lay, Shard)
+                             and lay != keep.get(k)]
+        if sharded_otherwise:  # a different split of a shard: read it whole instead
+            keep.update((k, Replicate()) for k in sharded_otherwise)
+            ann, captured = self._annotate(args, kwargs, self.training, captured, keep=keep)
+        whole = {t: canon[captured.aliases.get(t, t)] for t, lay in ann.params.items()
+                 if isinstance(canon.get(captured.aliases.get(t, t)), Shard)
+                 and not isinstance(lay, Shard)}
+        return self._finish(ann, captured, args, kwargs, whole)
+
+    def _annotate(self, args, kwargs, training: bool, captured: Captured | None = None,
+                  keep: dict | None = None):
         if captured is None:
             source = self._source[0]
             device = _device_of(source)
@@ -171,11 +187,14 @@ class ShardedModule(nn.Module):
             finally:
                 source.train(was)
         return annotate(captured.gm, self._group.size, self._rules, strict=self._strict,
-                        sequence_parallel=self.sequence_parallel), captured
+                        sequence_parallel=self.sequence_parallel, keep=keep), captured
 
-    def _finish(self, ann: Annotation, captured, args, kwargs) -> fx.GraphModule:
+    def _finish(self, ann: Annotation, captured, args, kwargs,
+                whole: dict | None = None) -> fx.GraphModule:
         target = _input_device(args, kwargs) or _device_of(self._source[0])
         gm = rewrite(ann, self._group, gather_output=self._gather, device=target)
+        if whole:
+            gather_params(gm, whole, self._group)
         if self.recomputed:
             gm = outline_blocks(gm, self.recomputed, self._group)
         bind(gm, self._tensors)

@@ -262,7 +262,7 @@ def test_meta_model_plans_and_shards_without_memory():
 def test_llama_70b_plans_on_meta():
     model = build("llama-70b", device="meta")
     p = shardplan.plan(model, 8)
-    assert p.repeated == {"layers": [2, 80]}
+    assert p.repeated == {"layers": [3, 80]}  # first, middle and last block
     assert p.count(kind="all_reduce", direction="forward", purpose="g") == 2 * 80 + 1
     assert p.count(kind="all_reduce", direction="backward", purpose="f") == 2 * 80 + 1
     wq = p.param("layers.79.attention.wq.weight")

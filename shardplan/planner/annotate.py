@@ -82,7 +82,7 @@ class Annotation:
 
 
 def annotate(gm: fx.GraphModule, tp: int, rules: RuleSet, *, strict: bool = False,
-             sequence_parallel: bool = False) -> Annotation:
+             sequence_parallel: bool = False, keep: dict | None = None) -> Annotation:
     """Layouts and transitions for every node of ``gm`` under tensor parallelism ``tp``.
 
     Openers whose regions reach an op that cannot run locally are kept
@@ -90,9 +90,14 @@ def annotate(gm: fx.GraphModule, tp: int, rules: RuleSet, *, strict: bool = Fals
     an error, except where holding the split dim on groups of ranks makes it
     divide and the region turns into an ordinary shard before any GEMM (K/V
     heads fewer than tp: each rank holds the K/V head its query heads use).
+
+    ``keep`` (parameter target -> layout, from an earlier capture of the same
+    model) keeps replicated every opener whose weight it holds replicated:
+    one model has one layout, however it is called.
     """
     params = dict(gm.named_parameters(remove_duplicate=False))
-    disabled: dict = {}  # opener -> (reason, warn)
+    # opener -> (reason, warn)
+    disabled: dict = _kept_replicated(gm, rules, keep) if keep is not None else {}
     replicas: dict = {}  # opener -> (replicas, the divisibility conflict that asked for them)
     seq_dims = sequence_dims(gm) if sequence_parallel else {}
     while True:
@@ -272,6 +277,8 @@ class _Pass:
         if any(b % (self.tp // r) for b in (blocks or [size])):
             if blocks is None and self.rules.strategy.pad_vocabulary and _only_to_sinks(node, self.ctx):
                 padded = math.ceil(size / self.tp) * self.tp
+            elif blocks is None and r == 1:
+                return _too_narrow(node, size, self.tp)
             else:
                 return Outcome(None, conflict=Conflict(
                     node, f"{module_of(node) or node.name}: output size "
@@ -313,6 +320,29 @@ class _Pass:
 
 
 # --------------------------------------------------------------------------- strategy helpers
+
+def _too_narrow(node: fx.Node, size: int, tp: int) -> Outcome:
+    """A GEMM whose output does not split into tp parts (a 1-wide gate, an odd FFN)
+    stays replicated: a plan decision, as Megatron keeps small layers whole. Only
+    a cut that the model's own structure forces (heads, fused projections) is refused."""
+    return Outcome(None, conflict=Conflict(
+        node, f"output size {size} does not divide by tp={tp}", frozenset({node}), closes=True))
+
+
+def _kept_replicated(gm: fx.GraphModule, rules: RuleSet, keep: dict) -> dict:
+    """Openers (column GEMMs, vocab embeddings) whose weight ``keep`` holds replicated."""
+    strat = rules.strategy
+    weights = {o.op: o.weight for o in strat.open}
+    if strat.vocab_embedding:
+        weights[strat.vocab_embedding.op] = strat.vocab_embedding.weight
+    out = {}
+    for node in gm.graph.nodes:
+        i = weights.get(op_name(node)) if node.op == "call_function" else None
+        w = node.args[i] if i is not None and len(node.args) > i else None
+        if isinstance(w, fx.Node) and w.op == "get_attr" and not isinstance(keep.get(w.target), Shard):
+            out[node] = ("replicated, as in the model's first capture", False)
+    return out
+
 
 def _segments(node: fx.Node, dim: int, ctx: Context) -> tuple[int, ...] | None:
     """How a column output is cut downstream (fused QKV): the block sizes, or None.

@@ -2,7 +2,7 @@
 
 A block index is an all-digit part of a module or parameter path:
 ``layers.3.attn.wq.weight`` is block 3 of the list ``layers``. The planner
-stamps block 1's decisions onto blocks 2..N-1 (``index_in``, ``with_index``);
+stamps a captured middle block onto blocks 1..N-2 (``index_in``, ``with_index``);
 the presenters fold identical blocks into one line or box (``runs`` for
 consecutive blocks, ``fold`` and ``pattern`` for ``*`` patterns,
 ``span_text`` for their index ranges). Names only: nothing here knows a plan.

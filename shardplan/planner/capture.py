@@ -31,6 +31,8 @@ GUARDS = "_guards_fn"
 # torch.export and the fake tensors it leaves in node.meta keep state that is not
 # thread-safe: capturing and planning hold this lock (simulated ranks are threads).
 PLANNING_LOCK = threading.RLock()
+# blocks a truncated capture keeps of a list: the first, one in the middle, the last
+KEPT = 3
 # what torch.export takes as an input leaf (inside tuples, lists, dicts and registered pytrees)
 _LEAVES = (torch.Tensor, int, float, bool, str, type(None), nn.Module, torch.ScriptObject)
 # frames in these trees are not the user's code
@@ -52,9 +54,9 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
             truncate: bool = False) -> Captured:
     """Capture ``model(*args, **kwargs)`` in its current train/eval mode.
 
-    With ``truncate``, lists of three or more identical blocks are captured
-    with their first two only (planning a deep model in seconds); the plan
-    stamps block 1's decisions onto the rest.
+    With ``truncate``, lists of more than three identical blocks are captured
+    with their first three only (planning a deep model in seconds): a first,
+    a middle and a last block; the plan stamps the middle one onto the rest.
     """
     args, kwargs = tuple(args), dict(kwargs or {})
     check_inputs(model, args, kwargs)
@@ -198,20 +200,29 @@ def _aliases(model: nn.Module) -> dict[str, str]:
 
 @contextlib.contextmanager
 def _truncated(model: nn.Module):
-    """Temporarily keep the first two blocks of every long list of identical blocks."""
+    """Temporarily keep the first ``KEPT`` blocks of every longer list of identical blocks."""
     cut: dict[str, tuple[int, int]] = {}
     saved = []
     for name, mod in model.named_modules():
-        if isinstance(mod, nn.ModuleList) and len(mod) >= 3 and _identical(list(mod)):
+        if _cuttable(mod):
             saved.append((mod, list(mod._modules.items())))
-            cut[name] = (2, len(mod))
+            cut[name] = (KEPT, len(mod))
     try:
         for mod, items in saved:
-            mod._modules = dict(items[:2])
+            mod._modules = dict(items[:KEPT])
         yield cut
     finally:
         for mod, items in saved:
             mod._modules = dict(items)
+
+
+def has_repeated_blocks(model: nn.Module) -> bool:
+    """Would ``capture(..., truncate=True)`` cut a list of ``model``?"""
+    return any(_cuttable(m) for m in model.modules())
+
+
+def _cuttable(mod: nn.Module) -> bool:
+    return isinstance(mod, nn.ModuleList) and len(mod) > KEPT and _identical(list(mod))
 
 
 def _identical(blocks: list[nn.Module]) -> bool:

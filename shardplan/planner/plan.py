@@ -16,8 +16,9 @@ import torch.nn as nn
 from pydantic import BaseModel, Field
 
 from . import blocks
-from .capture import Captured, capture, module_of, source_of
+from .capture import Captured, capture, has_repeated_blocks, module_of, source_of
 from .annotate import Annotation, annotate
+from ..errors import CaptureError
 from .inputs import check_dtypes, check_model_arg, example_args
 from .kinds import Role
 from ..layouts import Replicate, Shard
@@ -128,17 +129,57 @@ def plan(model: nn.Module, tp: int, *, example_inputs=None, rules="megatron",
          strict: bool = False, sequence_parallel: bool = False) -> Plan:
     """The plan for ``model`` at ``tp``, with no process group and no real memory.
 
-    Lists of identical blocks are captured and planned once (two blocks), and
-    their decisions stamped onto the rest. ``sequence_parallel`` holds the
+    Lists of identical blocks that run one after another are captured with
+    three blocks (first, middle, last), and the middle one's decisions stamped
+    onto the rest. ``sequence_parallel`` holds the
     activations between regions on 1/tp of the sequence (``annotate``).
     """
     check_model_arg(model, tp)
     ruleset = load_rules(rules)
     args, kwargs = example_args(model, example_inputs)
-    captured = capture(model, args, kwargs, truncate=True)
+    captured = _capture_stamped(model, args, kwargs)
     check_dtypes(captured.gm)
     ann = annotate(captured.gm, tp, ruleset, strict=strict, sequence_parallel=sequence_parallel)
     return build_plan(model, captured, ann, ruleset, args, kwargs)
+
+
+def _capture_stamped(model: nn.Module, args, kwargs) -> Captured:
+    """A capture with each list of identical blocks cut to three, where stamping the
+    middle one onto the rest is exact: the blocks run one after another. Otherwise (a list of
+    per-head norms applied side by side, or a forward that needs the whole list) the
+    whole model, as ``parallelize`` captures it."""
+    try:
+        captured = capture(model, args, kwargs, truncate=True)
+    except CaptureError:
+        if not has_repeated_blocks(model):
+            raise
+        return capture(model, args, kwargs)
+    if all(_chained(captured.gm, path, i) for path in captured.truncated for i in (1, 2)):
+        return captured
+    return capture(model, args, kwargs)
+
+
+def _chained(gm, path: str, i: int) -> bool:
+    """Does block ``i`` of list ``path`` run on block i-1's result, in the same context?
+
+    Every value block i reads from outside is computed from block i-1, or read
+    by block i-1 too (a mask, RoPE tables); and at least one is computed from it.
+    """
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    block = {n: blocks.index_in(module_of(n), path) for n in nodes}
+    before = {n for n in nodes if block[n] == i - 1}
+    after: set = set()  # computed from block i-1
+    for n in gm.graph.nodes:
+        if n in before or any(a in after for a in n.all_input_nodes):
+            after.add(n)
+    reads = _reads_from_outside(nodes, block, i)
+    return bool(reads & after) and reads <= after | _reads_from_outside(nodes, block, i - 1)
+
+
+def _reads_from_outside(nodes, block: dict, i: int) -> set:
+    """The activations block ``i`` reads that it does not compute."""
+    return {a for n in nodes if block[n] == i for a in n.all_input_nodes
+            if a.op != "get_attr" and block.get(a) != i}
 
 
 def build_plan(model: nn.Module, captured: Captured, ann: Annotation, ruleset: RuleSet,
@@ -209,7 +250,7 @@ def _params(model, captured: Captured, layouts, tp, stamp) -> list[ParamEntry]:
         by_canon.setdefault(canon, []).append(fqn)
     entries = []
     for name, p in model.named_parameters():
-        lay = layouts.get(name) or layouts.get(stamp.origin(name), Replicate())
+        lay = layouts.get(stamp.origin(name), Replicate())
         local = local_shape(tuple(p.shape), lay, tp)
         entries.append(ParamEntry(
             name=name, aliases=[a for a in by_canon.get(name, []) if a != name],
@@ -229,28 +270,30 @@ def _param_rule(lay) -> str:
 
 
 class _Stamp:
-    """Block 1's decisions, stamped onto blocks 2..N-1 of lists captured with two blocks."""
+    """Lists captured as three blocks (first, middle, last) stamped onto all N: block 1
+    stands for blocks 1..N-2, block 2 for block N-1."""
 
     def __init__(self, truncated: dict[str, tuple[int, int]]):
         self.lengths = {path: n for path, (_, n) in truncated.items()}
 
     def origin(self, name: str) -> str:
-        """The captured name standing for ``name`` (block k >= 2 -> block 1)."""
-        for path in self.lengths:
+        """The captured name standing for ``name``."""
+        for path, n in self.lengths.items():
             i = blocks.index_in(name, path)
-            if i is not None and i >= 2:
-                return blocks.with_index(name, path, 1)
+            if i is not None and i >= 1:
+                return blocks.with_index(name, path, 2 if i == n - 1 else 1)
         return name
 
-    def _copies(self, name: str) -> list[str]:
+    def _names(self, name: str) -> list[str]:
+        """The real names a captured name stands for."""
         for path, n in self.lengths.items():
-            if blocks.index_in(name, path) == 1:
-                return [blocks.with_index(name, path, i) for i in range(2, n)]
-        return []
+            i = blocks.index_in(name, path)
+            if i == 1:
+                return [blocks.with_index(name, path, k) for k in range(1, n - 1)]
+            if i == 2:
+                return [blocks.with_index(name, path, n - 1)]
+        return [name]
 
     def entries(self, items: list) -> list:
-        out = []
-        for it in items:
-            out.append(it)
-            out.extend(it.model_copy(update={"module": m}) for m in self._copies(it.module))
-        return out
+        return [it if m == it.module else it.model_copy(update={"module": m})
+                for it in items for m in self._names(it.module)]

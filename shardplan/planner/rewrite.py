@@ -105,6 +105,7 @@ class _Rewriter:
                         new = self._execute(t, new, node)
                     replace_operand(node, path, new)
             self._rewrite_sizes(orig, node)
+            self._stride_safe(orig, node, out)
             node = self._model_parallel_rng(orig, node, out)
             if out.role is Role.VOCAB_EMBEDDING:
                 node = self.env[orig] = self._vocab_embedding(node, out)
@@ -136,7 +137,9 @@ class _Rewriter:
             else:  # REPLICA_GRAD
                 mod = self._module("replica_sum", SumOverReplicas(
                     self.group, t.after.dim, t.after.replicas, self._site(t.src)))
-            with self.graph.inserting_after(value):
+            at = self.graph.inserting_before(consumer) if _written_in_place(value) \
+                else self.graph.inserting_after(value)
+            with at:
                 self.shared[key] = self.graph.call_module(mod, (value,))
         return self.shared[key]
 
@@ -250,6 +253,40 @@ class _Rewriter:
         for name, value in local.items():
             set_arg(node, name, value)
 
+    def _stride_safe(self, orig: fx.Node, node: fx.Node, out) -> None:
+        """A view of a tensor that is not whole here becomes a reshape.
+
+        Export drops ``contiguous()`` calls that were no-ops at full size
+        (torchtitan's ``transpose(1, 2).contiguous().view(...)``); a rank's part
+        (a local slice, or a narrower result) can have strides the view cannot
+        take. ``reshape`` is the view wherever the view is valid.
+        """
+        if op_name(orig) not in _VIEWS:
+            return
+        read = self.ann.read(orig.args[0], orig, (0,))
+        if isinstance(read, Shard) or isinstance(out.needs.get((0,)), Shard):
+            size = args_of(node)[_VIEWS[op_name(orig)]]
+            node.target, node.args, node.kwargs = aten.reshape.default, (node.args[0], size), {}
+
+
+def _written_in_place(node: fx.Node) -> bool:
+    """Is ``node``'s tensor written in place later, directly or through a view (a
+    ``new_empty`` filled by ``copy_`` into slices)? A transition then reads it at
+    its consumer, after the writes: autograd forbids writing into what a custom
+    Function returned as-is."""
+    for user in node.users:
+        schema = getattr(user.target, "_schema", None)
+        if schema is None or not schema.arguments or user.args[0] is not node:
+            continue
+        alias = schema.arguments[0].alias_info
+        if alias is not None and (alias.is_write or _written_in_place(user)):
+            return True
+    return False
+
+
+# view overloads whose input must have view-compatible strides -> their sizes argument
+_VIEWS = {"aten.view.default": "size", "aten._unsafe_view.default": "size"}
+
 
 def _retarget_devices(graph: fx.Graph, device: torch.device) -> None:
     """Factory ops captured on meta create their tensors on ``device`` instead."""
@@ -257,6 +294,25 @@ def _retarget_devices(graph: fx.Graph, device: torch.device) -> None:
         d = node.kwargs.get("device")
         if isinstance(d, torch.device) and d.type == "meta" and device.type != "meta":
             node.kwargs = {**node.kwargs, "device": device}
+
+
+def gather_params(gm: fx.GraphModule, layouts: dict, group: Group) -> None:
+    """Parameters held as shards (``layouts``: get_attr target -> its ``Shard``) that
+    this graph reads whole are all-gathered where it reads them; backward keeps this
+    rank's slice of their gradient."""
+    graph = gm.graph
+    reads = [n for n in graph.nodes if n.op == "get_attr" and n.target in layouts]
+    for i, node in enumerate(reads):
+        lay = layouts[node.target]
+        name = f"tp_gather_param_{i}"
+        gm.add_submodule(name, GatherShard(group, lay, shape(node)[lay.dim], node.target))
+        users = list(node.users)
+        with graph.inserting_after(node):
+            whole = graph.call_module(name, (node,))
+        for u in users:
+            u.replace_input_with(node, whole)
+    graph.lint()
+    gm.recompile()
 
 
 def bind(gm: fx.GraphModule, tensors: dict[str, torch.Tensor]) -> None:
