@@ -17,6 +17,8 @@ from .permute import _PERMUTATIONS
 from .base import Conflict, Context, Kind, Outcome, conflict, local_size, register, with_dim
 
 _DROPS = {"aten.unbind.int", "aten.select.int"}  # pieces lose the cut dim
+_CUTS = _DROPS | {"aten.split.Tensor", "aten.split_with_sizes.default", "aten.chunk.default",
+                  "aten.slice.Tensor", "aten.narrow.default"}  # ops cutting along their `dim`
 # each overload -> the name of its list-of-sizes argument (None: it has none)
 _SIZES = {
     "aten.view.default": "size", "aten.reshape.default": "shape",
@@ -50,6 +52,17 @@ class ReshapeKind(Kind):
             reason, extra = res
             return Outcome(None, conflict=Conflict(node, reason, **extra))
         return Outcome(res, rule="reshape")
+
+    def cuts(self, node, dim) -> set[int]:
+        """A fused output viewed with its pieces as a new major dim that is then taken
+        apart (``qkv.view(B, T, 3, H, D)``, then ``unbind``/index along the 3): the
+        pieces' edges, so the column shard is blocked ``[q_r | k_r | v_r]``."""
+        src, dst = [hint(x) for x in shape(node.args[0])], [hint(x) for x in shape(node)]
+        for (a, b), (c, e) in reshape_groups(src, dst) or []:
+            if (a, b) == (dim, dim + 1) and e - c >= 2 and dst[c] > 1 and _taken_apart(node, c):
+                piece = src[dim] // dst[c]
+                return {k * piece for k in range(1, dst[c])}
+        return set()
 
     def local_args(self, node, src, out, tp, divide) -> dict:
         arg = _SIZES[op_name(node)]
@@ -171,4 +184,23 @@ def _broadcast_later(node, d: int, ctx: Context) -> bool:
                 e = d + len(out) - len(src)
                 if out[e] > 1 or (d + 1 < len(src) and src[d + 1] == 1 and out[e + 1] > 1):
                     return True
+    return False
+
+
+def _taken_apart(node, d: int) -> bool:
+    """Is dim ``d`` of ``node`` cut into pieces by a split, unbind or index along it,
+    directly or after permutes and cuts along other dims?"""
+    for user in node.users:
+        name = op_name(user) if user.op == "call_function" else ""
+        if name in _PERMUTATIONS:
+            if _taken_apart(user, _PERMUTATIONS[name](args_of(user), len(shape(user))).index(d)):
+                return True
+        elif name in _CUTS:
+            cut, val = args_of(user)["dim"] % len(shape(node)), user.meta.get("val")
+            pieces = isinstance(val, (list, tuple))
+            if cut == d and (pieces and len(val) > 1 or name in _DROPS
+                             or not pieces and hint(val.shape[d]) < hint(shape(node)[d])):
+                return True
+            if cut != d and not pieces and _taken_apart(user, d - (name in _DROPS and cut < d)):
+                return True
     return False
