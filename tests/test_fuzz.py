@@ -411,8 +411,6 @@ EINSUM = ModelCfg(dim=16, vocab=32, blocks=(BlockCfg(
     mlp=MlpCfg(hidden=16, act="swiglu", bias=False)),))
 
 
-@pytest.mark.xfail(strict=True, reason="planner gap found by the fuzzer: an einsum attention "
-                   "kernel keeps the attention replicated (layout_gap)")
 def test_einsum_attention_is_sharded():
     plan = shardplan.plan(build_model(EINSUM), 2, example_inputs=example_inputs(EINSUM))
     assert_megatron_plan(build_model(EINSUM), plan, prefix="blocks.")

@@ -76,13 +76,12 @@ def test_sharded_equals_unsharded_simulated(case):
                                megatron_count(layers, b, t, h, kv_weight=kv_weight), tp)
 
 
-@pytest.mark.xfail(strict=True, reason="planner gap: MQA (one K/V head) at tp > 1 keeps the "
-                   "attention replicated (RoPE's chunk of the head dim vs replica blocks)")
 def test_single_kv_head_is_sharded():
     model = make_model("llama", n_heads=4, n_kv_heads=1)
     p = shardplan.plan(model, 2, example_inputs=batch(64, 2, 5))
     assert p.param("layers.0.attention.wq.weight").layout.startswith("S(0")
     assert p.param("layers.0.attention.wk.weight").layout.startswith("S(0")
+    assert p.param("layers.0.attention.wo.weight").layout.startswith("S(1")
 
 
 @pytest.mark.xfail(strict=True, reason="planner gap: a padded vocabulary (35 at tp=4) keeps "

@@ -51,8 +51,9 @@ def map_reshape(lay: Shard, src, dst, src_sym, dst_sym, tp) -> Shard | tuple[str
         if any(blk % inner_out for blk in rows[0]):
             continue
         counts = [blk // inner_out for blk in rows[0]]  # indices of dst[j] per block
-        if all(n == 1 for n in counts) and j < e - 1:
+        if all(n == 1 for n in counts) and j < e - 1 and parts > 1:
             continue  # a dim enumerating the blocks, or a new size-1 dim: the shard lies inside
+            # (held whole by every rank, the size-1 dim is one head: the shard stays on it)
         if any(n % parts for n in counts):  # the major dim carries the shard (heads): no
             needed = tp // math.gcd(counts[0], tp) if len(counts) == 1 else 1  # moving it inward
             return (f"split of a sharded dim into {[dst[k] for k in range(c, e)]} does not "

@@ -8,11 +8,17 @@ becomes the local one: ``view(x, [B, T, 12, 64])`` on rank r of tp=4 holding
 
 from __future__ import annotations
 
+import torch
+
 from ..graph import args_of, hint, is_symbolic, op_name, shape
 from ..reshape import map_reshape, reshape_groups
 from ...layouts import Shard
+from .permute import _PERMUTATIONS
 from .base import Conflict, Context, Kind, Outcome, conflict, local_size, register, with_dim
 
+_DROPS = {"aten.unbind.int", "aten.select.int"}  # pieces lose the cut dim
+_CUTS = _DROPS | {"aten.split.Tensor", "aten.split_with_sizes.default", "aten.chunk.default",
+                  "aten.slice.Tensor", "aten.narrow.default"}  # ops cutting along their `dim`
 # each overload -> the name of its list-of-sizes argument (None: it has none)
 _SIZES = {
     "aten.view.default": "size", "aten.reshape.default": "shape",
@@ -38,10 +44,25 @@ class ReshapeKind(Kind):
             lay = Shard(d)
         res = map_reshape(lay, src_h, [hint(d) for d in dst], src_sym,
                           [is_symbolic(d) for d in dst], ctx.tp)
+        if isinstance(res, Shard) and lay.replicas == 1 and _one_head_split(node, lay, res, ctx):
+            return Outcome(None, conflict=Conflict(  # hold the one head on every rank
+                node, "one head (a new size-1 dim) broadcast against more heads later",
+                divisibility=True, replicas=ctx.tp))
         if isinstance(res, tuple):
             reason, extra = res
             return Outcome(None, conflict=Conflict(node, reason, **extra))
         return Outcome(res, rule="reshape")
+
+    def cuts(self, node, dim) -> set[int]:
+        """A fused output viewed with its pieces as a new major dim that is then taken
+        apart (``qkv.view(B, T, 3, H, D)``, then ``unbind``/index along the 3): the
+        pieces' edges, so the column shard is blocked ``[q_r | k_r | v_r]``."""
+        src, dst = [hint(x) for x in shape(node.args[0])], [hint(x) for x in shape(node)]
+        for (a, b), (c, e) in reshape_groups(src, dst) or []:
+            if (a, b) == (dim, dim + 1) and e - c >= 2 and dst[c] > 1 and _taken_apart(node, c):
+                piece = src[dim] // dst[c]
+                return {k * piece for k in range(1, dst[c])}
+        return set()
 
     def local_args(self, node, src, out, tp, divide) -> dict:
         arg = _SIZES[op_name(node)]
@@ -108,3 +129,78 @@ def _merges_expanded_copies(node, lay: Shard, ctx: Context) -> bool:
     merged = src_h[:d] + [src_h[d] * src_h[d + 1]] + src_h[d + 2:]
     return reshape_groups(merged, dst) is not None and \
         hint(shape(src)[d + 1]) % lay.replicas == 0
+
+
+def _one_head_split(node, lay: Shard, res: Shard, ctx: Context) -> bool:
+    """Does ``node`` split the shard into one head (a new size-1 dim in front of it)
+    that is later broadcast against several heads (multi-query attention's K/V)?
+
+    ``[B, T, D] -> [B, T, 1, D]`` is an unsqueeze by shape; it is a head split
+    when the size-1 dim meets an expand or a broadcast to more than one.
+    """
+    src, dst = [hint(x) for x in shape(node.args[0])], [hint(x) for x in shape(node)]
+    h = res.dim - 1
+    if h < 0 or dst[h] != 1 or lay.blocks or lay.padded:
+        return False
+    group = next(((a, b), (c, e)) for (a, b), (c, e) in reshape_groups(src, dst) if a <= lay.dim < b)
+    return group[1][0] <= h and _broadcast_later(node, h, ctx)
+
+
+def _broadcast_later(node, d: int, ctx: Context) -> bool:
+    """Is size-1 dim ``d`` of ``node`` later made larger than 1, by an expand (of it,
+    or of a size-1 dim unsqueezed right after it: a repeat of K/V heads) or by an
+    elementwise broadcast? Follows the dim through layout-keeping ops."""
+    frontier, seen = [(node, d)], set()
+    while frontier:
+        cur, d = frontier.pop()
+        if (cur, d) in seen:
+            continue
+        seen.add((cur, d))
+        src = [hint(x) for x in shape(cur)]
+        for user in cur.users:
+            kind = ctx.kind_of(user) if user.op == "call_function" else None
+            if kind in ("split", "slice", "concat") and op_name(user) not in _DROPS:
+                if isinstance(user.meta.get("val"), (list, tuple)):
+                    frontier.extend((g, d) for g in user.users)
+                else:
+                    frontier.append((user, d))
+                continue
+            out = shape(user) if isinstance(user.meta.get("val"), torch.Tensor) else None
+            if out is None or user.args[0] is not cur and kind != "elementwise":
+                continue
+            out = [hint(x) for x in out]
+            if kind in ("identity", "elementwise") and len(out) >= len(src):
+                e = d + len(out) - len(src)
+                if out[e] > 1:
+                    return True
+                frontier.append((user, e))
+            elif kind == "permute":
+                frontier.append((user, _PERMUTATIONS[op_name(user)](args_of(user), len(out)).index(d)))
+            elif kind == "reshape":
+                groups = reshape_groups(src, out) or []
+                frontier.extend((user, c) for (a, b), (c, e) in groups
+                                if (a, b) == (d, d + 1) and e == c + 1 and out[c] == 1)
+            elif kind == "expand":
+                e = d + len(out) - len(src)
+                if out[e] > 1 or (d + 1 < len(src) and src[d + 1] == 1 and out[e + 1] > 1):
+                    return True
+    return False
+
+
+def _taken_apart(node, d: int) -> bool:
+    """Is dim ``d`` of ``node`` cut into pieces by a split, unbind or index along it,
+    directly or after permutes and cuts along other dims?"""
+    for user in node.users:
+        name = op_name(user) if user.op == "call_function" else ""
+        if name in _PERMUTATIONS:
+            if _taken_apart(user, _PERMUTATIONS[name](args_of(user), len(shape(user))).index(d)):
+                return True
+        elif name in _CUTS:
+            cut, val = args_of(user)["dim"] % len(shape(node)), user.meta.get("val")
+            pieces = isinstance(val, (list, tuple))
+            if cut == d and (pieces and len(val) > 1 or name in _DROPS
+                             or not pieces and hint(val.shape[d]) < hint(shape(node)[d])):
+                return True
+            if cut != d and not pieces and _taken_apart(user, d - (name in _DROPS and cut < d)):
+                return True
+    return False

@@ -1,0 +1,102 @@
+"""Real-model patterns that Megatron shards: each sharded equals unsharded on every rank
+(outputs, loss, every gradient copy) and is really sharded (the plan's layouts)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import shardplan
+
+from shardplan.layouts import Shard
+from shardplan.planner.capture import capture
+from shardplan.ranks import SimulatedRanks
+
+from checks import assert_equivalent, assert_megatron_layouts
+from planner_cases import batch, make_model, reference, sharded_step
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_multi_query_attention_shards_the_queries(tp):
+    """One K/V head (multi-query attention): every rank holds it whole (its gradient
+    summed over tp) and its own query heads; attention and MLP are split."""
+    model = make_model("llama", n_layers=1, n_heads=4, n_kv_heads=1)
+    idx, tgt = batch(64, 2, 5)
+    captured = capture(model, (idx, tgt))  # once for all ranks: export is the slow part
+    results = SimulatedRanks(tp).run(sharded_step, model, idx, tgt, True, captured)
+    assert_equivalent(results, reference(model, idx, tgt))
+    layouts = results[0][3]
+    assert_megatron_layouts(model, layouts, tp)
+    for name in ("layers.0.attention.wk.weight", "layers.0.attention.wv.weight"):
+        assert layouts[name] == Shard(0, replicas=tp), layouts[name]
+    assert layouts["layers.0.attention.wq.weight"] == Shard(0)
+    assert results[0][2]["layers.0.attention.wq.weight"].shape[0] == 32 // tp
+
+
+def assert_sharded_and_equal(model, tp, example, layouts: dict) -> None:
+    """``verify`` (every rank's outputs and gradients equal the unsharded model's) and
+    the plan's parameter layouts (``name -> layout string``; ``R`` would mean a fallback)."""
+    report = shardplan.verify(model, tp, example_inputs=example)
+    assert report.ok, str(report)
+    plan = shardplan.plan(model, tp, example_inputs=example)
+    assert {n: plan.param(n).layout for n in layouts} == layouts
+    assert not plan.warnings, plan.warnings
+
+
+class ViewedQKV(nn.Module):
+    """A fused QKV taken apart by a view with the 3 as its own dim: timm's ViT
+    (``reshape(B, N, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)``) or indexing."""
+
+    def __init__(self, how: str, dim: int = 16, heads: int = 4):
+        super().__init__()
+        self.how, self.heads = how, heads
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        B, N, C = x.shape
+        if self.how == "timm":
+            q, k, v = self.qkv(x).reshape(B, N, 3, self.heads, C // self.heads) \
+                .permute(2, 0, 3, 1, 4).unbind(0)
+        else:
+            qkv = self.qkv(x).view(B, N, 3, self.heads, C // self.heads)
+            q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+        y = F.scaled_dot_product_attention(q, k, v)
+        return self.proj(y.transpose(1, 2).reshape(B, N, C))
+
+
+@pytest.mark.parametrize("how", ["timm", "index"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_fused_qkv_separated_by_a_view_is_blocked(how, tp):
+    """Each rank holds [q_r | k_r | v_r] of the fused weight; the projection is row parallel."""
+    torch.manual_seed(0)
+    assert_sharded_and_equal(ViewedQKV(how), tp, (torch.randn(2, 5, 16),), {
+        "qkv.weight": "S(0|16+16+16)", "qkv.bias": "S(0|16+16+16)", "proj.weight": "S(1)"})
+
+
+class EinsumAttention(nn.Module):
+    """Attention written with ``torch.einsum``, its output projection an einsum over
+    (heads, head_dim) with a parameter: row parallel without a linear."""
+
+    def __init__(self, dim: int = 16, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.wq, self.wk, self.wv = (nn.Linear(dim, dim) for _ in range(3))
+        self.out = nn.Parameter(torch.randn(heads, dim // heads, dim) / dim)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = (w(x).view(B, T, self.heads, -1) for w in (self.wq, self.wk, self.wv))
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(C // self.heads)
+        y = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
+        return torch.einsum("...hd,hdc->...c", y, self.out)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_einsum_attention_is_sharded(tp):
+    torch.manual_seed(0)
+    assert_sharded_and_equal(EinsumAttention(), tp, (torch.randn(2, 5, 16),), {
+        "wq.weight": "S(0)", "wk.weight": "S(0)", "wv.weight": "S(0)", "out": "S(0)"})
