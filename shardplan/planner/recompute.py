@@ -16,7 +16,7 @@ not know about.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -75,8 +75,10 @@ def _ancestors(fqn: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(1, len(parts))]
 
 
-def outline_blocks(gm: fx.GraphModule, blocks: list[str], group: Group) -> fx.GraphModule:
-    """``gm`` with the nodes of each block in one ``Recomputed`` submodule.
+def outline_blocks(gm: fx.GraphModule, blocks: list[str],
+                   wrap: Callable[[fx.GraphModule, str], nn.Module]) -> fx.GraphModule:
+    """``gm`` with the nodes of each block in one submodule, ``wrap(piece, block_fqn)``
+    (``Recomputed``; FSDP's ``OwnedPiece``).
 
     A node belongs to the block whose module produced it; nodes the rewriter
     inserted (f, g, shard slices) carry no module and belong with the node
@@ -115,7 +117,7 @@ def outline_blocks(gm: fx.GraphModule, blocks: list[str], group: Group) -> fx.Gr
     for segment, label in set(labels.values()):
         if label is not None:
             name = f"submod_{PREFIX}{segment}"
-            setattr(split, name, Recomputed(getattr(split, name), label, group))
+            setattr(split, name, wrap(getattr(split, name), label))
     return split
 
 
