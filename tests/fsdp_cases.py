@@ -86,3 +86,54 @@ def fsdp_train_rank(ctx, model, data, options=True):
     state = sum(t.to_local().numel() if isinstance(t, DTensor) else t.numel()
                 for s in opt.state.values() for k, t in s.items() if k != "step")
     return losses, dtensors, state
+
+
+def train_and_save_rank(ctx, model, data, path, fsdp=True):
+    """Train 3 steps at (dp=2, tp=2), save a DCP checkpoint with the optimizer: the losses."""
+    import shardplan.checkpoint as ck
+    m = mesh()
+    sharded, opt, mine = _setup(model, data, m, fsdp)
+    losses = _steps(sharded, opt, data, mine, m)
+    ck.save_dcp(sharded, path, optimizer=opt)
+    return losses
+
+
+def _setup(model, data, m, fsdp):
+    torch.manual_seed(0)
+    x0, y0 = data[0]
+    dp = m.size(0)
+    rows = x0.shape[0] // dp
+    r = m.get_local_rank("dp")
+    mine = slice(r * rows, (r + 1) * rows)
+    example = {"input_ids": x0[mine], "labels": y0[mine]} if _is_hf(model) else (x0[mine], y0[mine])
+    sharded = shardplan.parallelize(copy.deepcopy(model).train(), mesh=m, fsdp=fsdp,
+                                    example_inputs=example)
+    return sharded, torch.optim.AdamW(sharded.parameters(), lr=LR), mine
+
+
+def _steps(sharded, opt, data, mine, m):
+    from shardplan.train.optim import average_gradients
+    fsdp = bool(sharded.fsdp_blocks)
+    losses = []
+    for x, y in data:
+        opt.zero_grad()
+        loss = _loss(sharded, x[mine], y[mine])
+        loss.backward()
+        if not fsdp:
+            average_gradients(sharded.parameters(), m.get_group("dp"))
+        clip_grad_norm_(sharded, CLIP)
+        opt.step()
+        total = loss.detach().clone()
+        torch.distributed.all_reduce(total, group=m.get_group("dp"))
+        losses.append(total.item() / m.size(0))
+    return losses
+
+
+def load_and_train_rank(ctx, model, data, path, dp, tp, fsdp):
+    """Load the checkpoint at (dp, tp), train the same 3 steps again: the losses and the
+    gathered full state dict (rank 0)."""
+    import shardplan.checkpoint as ck
+    m = mesh(dp, tp)
+    sharded, opt, mine = _setup(model, data, m, fsdp)
+    ck.load_dcp(sharded, path, optimizer=opt)
+    return _steps(sharded, opt, data, mine, m)
