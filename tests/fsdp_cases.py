@@ -1,6 +1,7 @@
-"""Per-rank functions for tests/test_fsdp.py and tests/test_dcp.py (picklable for RealRanks).
+"""Per-rank functions for tests/test_fsdp.py (picklable for RealRanks).
 
-Every run is on 4 gloo processes as a (dp=2, tp=2) mesh: rank = dp_rank * 2 + tp_rank.
+Runs are on 4 gloo processes; the mesh is (dp, tp) with rank = dp_rank * tp + tp_rank.
+Each dp rank trains on its rows of every global batch.
 """
 
 from __future__ import annotations
@@ -8,132 +9,123 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import shardplan
-from shardplan.train.optim import clip_grad_norm_
+from shardplan.checkpoint import load_dcp, save_dcp
+from shardplan.train.optim import average_gradients, clip_grad_norm_
 
 STEPS, LR, CLIP = 3, 1e-2, 0.5
 
 
-def mesh(dp: int = 2, tp: int = 2):
-    return init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-
-
-def batches(vocab: int, rows: int = 4, seq: int = 8):
-    """One global batch per step: (inputs, targets)."""
+def batches(vocab: int, rows: int = 4, seq: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One global batch (inputs, targets) per step."""
     g = torch.Generator().manual_seed(3)
     return [(torch.randint(0, vocab, (rows, seq), generator=g),
              torch.randint(0, vocab, (rows, seq), generator=g)) for _ in range(STEPS)]
 
 
-def loss_of(model, x, y):
-    """The bundled models return (logits, loss); Hugging Face ones an output with .loss."""
-    if hasattr(model, "config") and hasattr(model.config, "model_type") or \
-            getattr(model, "_hf", False):
+def loss_of(model, x, y) -> torch.Tensor:
+    if type(model).__module__.startswith("transformers") or getattr(model, "_hf", False):
         return model(input_ids=x, labels=y).loss
     return model(x, y)[1]
 
 
-def reference(model, data, clip=CLIP):
-    """The unsharded model trained by one process on the global batches: the losses."""
-    m = copy.deepcopy(model).train()
+def reference(model, data) -> tuple[list[float], dict]:
+    """One process, the unsharded model, the global batches: (losses, final state dict)."""
+    m = copy.deepcopy(model)
     opt = torch.optim.AdamW(m.parameters(), lr=LR)
     losses = []
     for x, y in data:
         opt.zero_grad()
-        loss = _loss(m, x, y)
+        loss = loss_of(m, x, y)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
+        torch.nn.utils.clip_grad_norm_(m.parameters(), CLIP)
         opt.step()
         losses.append(loss.item())
-    return losses
+    return losses, m.state_dict()
 
 
-def _loss(model, x, y):
-    out = model(input_ids=x, labels=y) if _is_hf(model) else model(x, y)
-    return out.loss if _is_hf(model) else out[1]
-
-
-def _is_hf(model) -> bool:
-    return type(model).__module__.startswith("transformers")
-
-
-def fsdp_train_rank(ctx, model, data, options=True):
-    """TP x FSDP2 on this rank's rows of each global batch: (losses, whether every
-    parameter is a DTensor, this rank's optimizer state elements)."""
-    torch.manual_seed(0)
-    m = mesh()
+def _setup(model, data, dp: int, tp: int, fsdp):
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     x0, y0 = data[0]
-    rows = x0.shape[0] // 2
-    mine = slice(m.get_local_rank("dp") * rows, (m.get_local_rank("dp") + 1) * rows)
-    example = {"input_ids": x0[mine], "labels": y0[mine]} if _is_hf(model) else (x0[mine], y0[mine])
-    sharded = shardplan.parallelize(copy.deepcopy(model).train(), mesh=m, fsdp=options,
+    rows = x0.shape[0] // dp
+    r = mesh.get_local_rank("dp")
+    mine = slice(r * rows, (r + 1) * rows)
+    hf = type(model).__module__.startswith("transformers")
+    example = {"input_ids": x0[mine], "labels": y0[mine]} if hf else (x0[mine], y0[mine])
+    sharded = shardplan.parallelize(copy.deepcopy(model), mesh=mesh, fsdp=fsdp,
                                     example_inputs=example)
-    opt = torch.optim.AdamW(sharded.parameters(), lr=LR)
+    sharded._hf = hf
+    return sharded, torch.optim.AdamW(sharded.parameters(), lr=LR), mine, mesh
+
+
+def _steps(sharded, opt, data, mine, mesh) -> list[float]:
+    """Train on ``data``; the global batch's loss per step (the mean over dp ranks)."""
+    dp = mesh.get_group("dp")
     losses = []
     for x, y in data:
         opt.zero_grad()
-        loss = _loss(sharded, x[mine], y[mine])
+        loss = loss_of(sharded, x[mine], y[mine])
         loss.backward()
+        if not sharded.fsdp_blocks:
+            average_gradients(sharded.parameters(), dp)
         clip_grad_norm_(sharded, CLIP)
         opt.step()
         total = loss.detach().clone()
-        torch.distributed.all_reduce(total, group=m.get_group("dp"))
-        losses.append(total.item() / 2)
+        dist.all_reduce(total, group=dp)
+        losses.append(total.item() / mesh.size(0))
+    return losses
+
+
+def train_rank(ctx, model, data, fsdp=True):
+    """TP x FSDP2 at (dp=2, tp=2): (losses, whether every parameter is a DTensor,
+    this rank's optimizer state elements)."""
+    sharded, opt, mine, mesh = _setup(model, data, 2, 2, fsdp)
+    losses = _steps(sharded, opt, data, mine, mesh)
     dtensors = all(isinstance(p, DTensor) for p in sharded.parameters())
     state = sum(t.to_local().numel() if isinstance(t, DTensor) else t.numel()
                 for s in opt.state.values() for k, t in s.items() if k != "step")
     return losses, dtensors, state
 
 
-def train_and_save_rank(ctx, model, data, path, fsdp=True):
-    """Train 3 steps at (dp=2, tp=2), save a DCP checkpoint with the optimizer: the losses."""
-    import shardplan.checkpoint as ck
-    m = mesh()
-    sharded, opt, mine = _setup(model, data, m, fsdp)
-    losses = _steps(sharded, opt, data, mine, m)
-    ck.save_dcp(sharded, path, optimizer=opt)
+def save_rank(ctx, model, data, path):
+    """Train at (dp=2, tp=2) with FSDP2, then save with the optimizer: the losses."""
+    sharded, opt, mine, mesh = _setup(model, data, 2, 2, True)
+    losses = _steps(sharded, opt, data, mine, mesh)
+    save_dcp(sharded, path, optimizer=opt)
     return losses
 
 
-def _setup(model, data, m, fsdp):
-    torch.manual_seed(0)
-    x0, y0 = data[0]
-    dp = m.size(0)
-    rows = x0.shape[0] // dp
-    r = m.get_local_rank("dp")
-    mine = slice(r * rows, (r + 1) * rows)
-    example = {"input_ids": x0[mine], "labels": y0[mine]} if _is_hf(model) else (x0[mine], y0[mine])
-    sharded = shardplan.parallelize(copy.deepcopy(model).train(), mesh=m, fsdp=fsdp,
-                                    example_inputs=example)
-    return sharded, torch.optim.AdamW(sharded.parameters(), lr=LR), mine
+def reload_rank(ctx, model, data, path, dp, tp, fsdp, again, steps):
+    """Load ``path`` at (dp, tp), save it to ``again``, train on ``steps``: the losses."""
+    sharded, opt, mine, mesh = _setup(model, data, dp, tp, fsdp)
+    load_dcp(sharded, path, optimizer=opt)
+    save_dcp(sharded, again, optimizer=opt)
+    return _steps(sharded, opt, steps, mine, mesh)
 
 
-def _steps(sharded, opt, data, mine, m):
-    from shardplan.train.optim import average_gradients
-    fsdp = bool(sharded.fsdp_blocks)
-    losses = []
-    for x, y in data:
-        opt.zero_grad()
-        loss = _loss(sharded, x[mine], y[mine])
-        loss.backward()
-        if not fsdp:
-            average_gradients(sharded.parameters(), m.get_group("dp"))
-        clip_grad_norm_(sharded, CLIP)
-        opt.step()
-        total = loss.detach().clone()
-        torch.distributed.all_reduce(total, group=m.get_group("dp"))
-        losses.append(total.item() / m.size(0))
-    return losses
-
-
-def load_and_train_rank(ctx, model, data, path, dp, tp, fsdp):
-    """Load the checkpoint at (dp, tp), train the same 3 steps again: the losses and the
-    gathered full state dict (rank 0)."""
-    import shardplan.checkpoint as ck
-    m = mesh(dp, tp)
-    sharded, opt, mine = _setup(model, data, m, fsdp)
-    ck.load_dcp(sharded, path, optimizer=opt)
-    return _steps(sharded, opt, data, mine, m)
+def crashed_save_rank(ctx, model, data, path):
+    """Save the fresh model, train a step, save again with rank 1's writes failing:
+    (the error, the losses of training after loading what is at ``path`` now)."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    sharded, opt, mine, mesh = _setup(model, data, 2, 2, True)
+    save_dcp(sharded, path, optimizer=opt)
+    _steps(sharded, opt, data[:1], mine, mesh)
+    write = FileSystemWriter.write_data
+    if ctx.rank == 1:
+        def broken(self, plan, planner):
+            raise OSError("disk full (injected)")
+        FileSystemWriter.write_data = broken
+    try:
+        save_dcp(sharded, path, optimizer=opt)
+        error = None
+    except Exception as e:  # every rank must raise
+        error = f"{type(e).__name__}: {e}"
+    finally:
+        FileSystemWriter.write_data = write
+    fresh, fresh_opt, _, _ = _setup(model, data, 2, 2, True)
+    load_dcp(fresh, path, optimizer=fresh_opt)
+    return error, _steps(fresh, fresh_opt, data, mine, mesh)

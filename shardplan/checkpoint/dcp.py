@@ -32,8 +32,8 @@ import shutil
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
                                                    TensorProperties, TensorStorageMetadata)
@@ -250,12 +250,25 @@ def save_dcp(sharded, path, optimizer: torch.optim.Optimizer | None = None) -> N
     state = {"model": _model_state(sharded, entries)}
     if optimizer is not None:
         state["optim"] = _optim_state(sharded, optimizer, entries)
-    agree(world, "writing the DCP checkpoint",
-          lambda: dcp.save(state, checkpoint_id=str(tmp), planner=_SavePlanner()),
-          error=CheckpointError)
+    _collective("writing the DCP checkpoint", path,
+                lambda: dcp.save(state, checkpoint_id=str(tmp), planner=_SavePlanner()))
     agree(world, "committing the DCP checkpoint",
           (lambda: _commit(tmp, path)) if world.rank == 0 else lambda: None,
           error=CheckpointError)
+
+
+def _collective(what: str, path: Path, fn) -> None:
+    """``fn()``, a DCP save or load: DCP raises on every rank if it failed on any, as a
+    ``CheckpointException`` (a ``BaseException``), which becomes a ``CheckpointError``."""
+    try:
+        fn()
+    except CheckpointException as e:
+        rank, first = min(e.failures.items())
+        raise CheckpointError(f"{what} failed on rank{'s' * (len(e.failures) > 1)} "
+                              f"{', '.join(map(str, sorted(e.failures)))}: "
+                              f"{type(first).__name__}: {first}", where=str(path),
+                              fix=f"see rank {rank}'s error (disk space, permissions, a path "
+                                  "every rank shares)") from e
 
 
 def _commit(tmp: Path, path: Path) -> None:
@@ -290,9 +303,8 @@ def load_dcp(sharded, path, optimizer: torch.optim.Optimizer | None = None) -> N
     if optimizer is not None:
         _fresh_optim_state(optimizer, entries, path)
         state["optim"] = _optim_state(sharded, optimizer, entries)
-    agree(TorchGroup(), "reading the DCP checkpoint",
-          lambda: dcp.load(state, checkpoint_id=str(path), planner=_LoadPlanner()),
-          error=CheckpointError)
+    _collective("reading the DCP checkpoint", path,
+                lambda: dcp.load(state, checkpoint_id=str(path), planner=_LoadPlanner()))
     if optimizer is not None:
         _set_hyperparameters(optimizer, state["optim"]["param_groups"], path)
 
