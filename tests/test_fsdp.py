@@ -18,6 +18,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp_cases as cases
 import hf_cases
+import train_cases
 import shardplan
 from shardplan import ConfigurationError
 from shardplan.models import build
@@ -155,3 +156,20 @@ def test_bad_fsdp_input(make, fsdp, match):
         with pytest.raises(ConfigurationError, match=match) as e:
             shardplan.parallelize(build("gpt-tiny"), mesh=make(), fsdp=fsdp, check_model=False)
     assert e.value.fix
+
+
+# -- python -m shardplan.train --fsdp ------------------------------------------------------
+
+@pytest.mark.real
+@pytest.mark.timeout(120)
+def test_trainer_fsdp_equals_unsharded_and_resumes_exactly(real_ranks, tmp_path):
+    cfg = dict(train_cases.BASE, steps=6, fsdp=True)
+    first = dict(cfg, save=str(tmp_path / "ck"), save_every=3)
+    second = dict(cfg, resume=str(tmp_path / "ck" / "step-00000003"))
+    runs = real_ranks(4).run(train_cases.resume_rank, first, second)
+    full, resumed = runs[0]
+    want, _ = train_cases.reference_losses(cfg, dp=2)
+    close(full, want, "loss")
+    assert resumed == full[3:], (resumed, full[3:])
+    assert all(r == runs[0] for r in runs)
+    assert (tmp_path / "ck" / "step-00000006" / ".metadata").is_file()

@@ -27,6 +27,7 @@ dies halfway leaves the previous checkpoint as it was.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -229,9 +230,11 @@ def _fresh_optim_state(optimizer, entries: list[Entry], path: Path) -> None:
 # save and load
 # --------------------------------------------------------------------------
 
-def save_dcp(sharded, path, optimizer: torch.optim.Optimizer | None = None) -> None:
+def save_dcp(sharded, path, optimizer: torch.optim.Optimizer | None = None,
+             extra: dict | None = None) -> None:
     """Write ``sharded``'s weights (and ``optimizer``'s state) as a DCP checkpoint at
-    ``path`` (a directory), atomically. Collective over the whole world."""
+    ``path`` (a directory), atomically. ``extra``: JSON-able, the same on every rank,
+    stored as the ``"extra"`` entry (JSON text). Collective over the whole world."""
     path = Path(path)
     world = TorchGroup()
     tmp = path.parent / f".{path.name}.partial"
@@ -250,6 +253,8 @@ def save_dcp(sharded, path, optimizer: torch.optim.Optimizer | None = None) -> N
     state = {"model": _model_state(sharded, entries)}
     if optimizer is not None:
         state["optim"] = _optim_state(sharded, optimizer, entries)
+    if extra is not None:
+        state["extra"] = json.dumps(extra)
     _collective("writing the DCP checkpoint", path,
                 lambda: dcp.save(state, checkpoint_id=str(tmp), planner=_SavePlanner()))
     agree(world, "committing the DCP checkpoint",
@@ -286,9 +291,10 @@ def _commit(tmp: Path, path: Path) -> None:
     fsync_dir(path.parent)
 
 
-def load_dcp(sharded, path, optimizer: torch.optim.Optimizer | None = None) -> None:
+def load_dcp(sharded, path, optimizer: torch.optim.Optimizer | None = None) -> dict:
     """Load a ``save_dcp`` checkpoint into ``sharded`` (and ``optimizer``), whatever
-    the layout it was saved from. Collective over the whole world."""
+    the layout it was saved from; return its ``extra`` (``{}`` if none). Collective
+    over the whole world."""
     path = Path(path)
     if not (path / ".metadata").is_file():
         raise CheckpointError(f"no DCP checkpoint at {path} (.metadata is missing)",
@@ -303,10 +309,14 @@ def load_dcp(sharded, path, optimizer: torch.optim.Optimizer | None = None) -> N
     if optimizer is not None:
         _fresh_optim_state(optimizer, entries, path)
         state["optim"] = _optim_state(sharded, optimizer, entries)
+    has_extra = "extra" in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    if has_extra:
+        state["extra"] = ""
     _collective("reading the DCP checkpoint", path,
                 lambda: dcp.load(state, checkpoint_id=str(path), planner=_LoadPlanner()))
     if optimizer is not None:
         _set_hyperparameters(optimizer, state["optim"]["param_groups"], path)
+    return json.loads(state["extra"]) if has_extra else {}
 
 
 def _set_hyperparameters(optimizer, saved: list[dict], path: Path) -> None:
