@@ -92,11 +92,12 @@ def train_rank(ctx, model, data, fsdp=True):
 
 
 def save_rank(ctx, model, data, path):
-    """Train at (dp=2, tp=2) with FSDP2, then save with the optimizer: the losses."""
+    """Train at (dp=2, tp=2) with FSDP2, save with the optimizer, train on ``data`` again:
+    the losses of all the steps."""
     sharded, opt, mine, mesh = _setup(model, data, 2, 2, True)
     losses = _steps(sharded, opt, data, mine, mesh)
     save_dcp(sharded, path, optimizer=opt)
-    return losses
+    return losses + _steps(sharded, opt, data, mine, mesh)
 
 
 def reload_rank(ctx, model, data, path, dp, tp, fsdp, again, steps):

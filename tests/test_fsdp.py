@@ -54,7 +54,8 @@ def test_fsdp_trains_like_one_process(real_ranks, name):
 
 @pytest.fixture(scope="module")
 def saved(real_ranks, tmp_path_factory):
-    """gpt-tiny trained 3 steps at (dp=2, tp=2) with FSDP2 and saved with its optimizer."""
+    """gpt-tiny trained 3 steps at (dp=2, tp=2) with FSDP2, saved with its optimizer, then
+    trained 3 more steps: the losses of all 6 steps."""
     torch.manual_seed(0)
     model = build("gpt-tiny")
     data = cases.batches(96)
@@ -74,7 +75,7 @@ def test_dcp_loads_into_the_plain_model(saved, tmp_path):
     model, data, path, losses = saved
     expected_losses, expected = cases.reference(model, data)
     for rank, got in enumerate(losses):
-        close(got, expected_losses, f"rank {rank}")
+        close(got[:3], expected_losses, f"rank {rank}")
     state = _torch_file(path, tmp_path, "ck.pt")
     plain = build("gpt-tiny")
     plain.load_state_dict(state["model"], strict=True)
@@ -85,12 +86,12 @@ def test_dcp_loads_into_the_plain_model(saved, tmp_path):
 
 @pytest.mark.real
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("dp,tp,fsdp", [(1, 4, False), (4, 1, False), (2, 2, True),
-                                        (2, 2, False)])
-def test_dcp_reshards_and_resumes_exactly(real_ranks, saved, tmp_path, dp, tp, fsdp):
+@pytest.mark.parametrize("dp,tp,fsdp", [(1, 4, False), (4, 1, False), (2, 2, True)])
+def test_dcp_reshards_and_resumes(real_ranks, saved, tmp_path, dp, tp, fsdp):
     """Loading at another layout holds the same tensors (saved again, they are equal to
-    the last bit) and training continues the loss curve of an uninterrupted run."""
-    model, data, path, _ = saved
+    the last bit) and training continues the loss curve; at the saving layout, exactly
+    as the uninterrupted run did."""
+    model, data, path, uninterrupted = saved
     again = tmp_path / "again"
     runs = real_ranks(4).run(cases.reload_rank, model, data, str(path), dp, tp, fsdp,
                              str(again), data)
@@ -101,30 +102,20 @@ def test_dcp_reshards_and_resumes_exactly(real_ranks, saved, tmp_path, dp, tp, f
     expected, _ = cases.reference(model, data + data)
     for rank, losses in enumerate(runs):
         close(losses, expected[3:], f"rank {rank}")
+        if (dp, tp, fsdp) == (2, 2, True):
+            assert losses == uninterrupted[rank][3:], f"rank {rank}"
 
 
 @pytest.mark.real
 @pytest.mark.timeout(120)
-def test_resume_continues_exactly(real_ranks, saved, tmp_path):
-    model, data, path, _ = saved
-    uninterrupted = real_ranks(4).run(cases.train_rank, model, data + data)
-    resumed = real_ranks(4).run(cases.reload_rank, model, data, str(path), 2, 2, True,
-                                str(tmp_path / "again"), data)
-    for rank, (whole, (losses, _, _)) in enumerate(zip(resumed, uninterrupted)):
-        assert whole == losses[3:], f"rank {rank}"
-
-
-@pytest.mark.real
-@pytest.mark.timeout(120)
-def test_a_save_that_dies_leaves_the_previous_checkpoint(real_ranks, tmp_path):
-    torch.manual_seed(0)
-    model = build("gpt-tiny")
-    data = cases.batches(96)
-    fresh = real_ranks(4).run(cases.train_rank, model, data)
+def test_a_save_that_dies_leaves_the_previous_checkpoint(real_ranks, saved, tmp_path):
+    """The first save holds the fresh model: loaded after the failed save, it trains as
+    the fresh model did."""
+    model, data, _, fresh = saved
     runs = real_ranks(4).run(cases.crashed_save_rank, model, data, str(tmp_path / "ck"))
-    for rank, ((error, losses), (expected, _, _)) in enumerate(zip(runs, fresh)):
-        assert error and "CheckpointError" in error, f"rank {rank}: {error}"
-        assert losses == expected, f"rank {rank}"
+    for rank, (error, losses) in enumerate(runs):
+        assert error and "CheckpointError" in error and "injected" in error, f"rank {rank}"
+        assert losses == fresh[rank][:3], f"rank {rank}"
     assert (tmp_path / "ck" / ".metadata").is_file()
 
 
