@@ -5,7 +5,8 @@ forward again during backward, trading one more forward (including its g
 all-reduces) for the activations inside it. The rewritten graph is one flat
 graph, so ``outline_blocks`` cuts it into one submodule per block (torch's
 ``split_module``; node order, and so the order of collectives, is kept) and
-wraps each block's submodule in ``Recomputed``.
+the sharded module wraps each block's submodule in ``Recomputed`` (FSDP2 cuts
+the graph at the same boundaries: ``parallel.fsdp``).
 
 Recomputed dropout must draw the masks of the first pass, in both random
 streams: torch's checkpoint restores the default generators (the replicated
