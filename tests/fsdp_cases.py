@@ -130,3 +130,20 @@ def crashed_save_rank(ctx, model, data, path):
     fresh, fresh_opt, _, _ = _setup(model, data, 2, 2, True)
     load_dcp(fresh, path, optimizer=fresh_opt)
     return error, _steps(fresh, fresh_opt, data, mine, mesh)
+
+
+def options_rank(ctx, model, data):
+    """FSDP2 with ``reshard_after_forward=False`` and recomputed blocks: the losses, then
+    the shape of the logits of another call signature (eval, no targets)."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    r = mesh.get_local_rank("dp")
+    mine = slice(2 * r, 2 * r + 2)
+    x0, y0 = data[0]
+    sharded = shardplan.parallelize(copy.deepcopy(model), mesh=mesh, recompute=True,
+                                    fsdp={"reshard_after_forward": False},
+                                    example_inputs=(x0[mine], y0[mine]))
+    losses = _steps(sharded, torch.optim.AdamW(sharded.parameters(), lr=LR), data, mine, mesh)
+    sharded.eval()
+    with torch.no_grad():
+        logits, _ = sharded(x0[mine])
+    return losses, tuple(logits.shape)

@@ -164,3 +164,12 @@ def test_trainer_fsdp_equals_unsharded_and_resumes_exactly(real_ranks, tmp_path)
     assert resumed == full[3:], (resumed, full[3:])
     assert all(r == runs[0] for r in runs)
     assert (tmp_path / "ck" / "step-00000006" / ".metadata").is_file()
+
+
+@pytest.mark.real
+@pytest.mark.timeout(120)
+def test_fsdp_options_recompute_and_another_call_signature(real_ranks, saved):
+    model, data, _, fsdp_losses = saved
+    for rank, (losses, shape) in enumerate(real_ranks(4).run(cases.options_rank, model, data)):
+        assert losses == fsdp_losses[rank][:3], f"rank {rank}"
+        assert shape == (2, 8, 96)
