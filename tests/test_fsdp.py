@@ -173,3 +173,24 @@ def test_fsdp_options_recompute_and_another_call_signature(real_ranks, saved):
     for rank, (losses, shape) in enumerate(real_ranks(4).run(cases.options_rank, model, data)):
         assert losses == fsdp_losses[rank][:3], f"rank {rank}"
         assert shape == (2, 8, 96)
+
+
+@pytest.mark.real
+@pytest.mark.timeout(180)
+def test_dcp_padded_vocabulary_and_shared_kv_heads(real_ranks, tmp_path):
+    """HF Llama: a vocabulary of 101 is padded at tp=2 and tp=4, and its 2 K/V heads are
+    shared by pairs of ranks at tp=4. Saved at (dp=2, tp=2), loaded at tp=4 and saved
+    again: the same tensors; and the file loads strictly into the plain model."""
+    model = hf_cases.build("llama")
+    data = cases.batches(hf_cases.VOCAB)
+    path, again = tmp_path / "ck", tmp_path / "again"
+    real_ranks(4).run(cases.save_rank, model, data, str(path))
+    runs = real_ranks(4).run(cases.reload_rank, model, data, str(path), 1, 4, False,
+                             str(again), data[:1])
+    expected, _ = cases.reference(model, data + data)
+    for rank, losses in enumerate(runs):
+        close(losses, expected[3:4], f"rank {rank}")
+    first, second = _torch_file(path, tmp_path, "a.pt"), _torch_file(again, tmp_path, "b.pt")
+    torch.testing.assert_close(second["model"], first["model"], rtol=0, atol=0)
+    plain = hf_cases.build("llama")
+    plain.load_state_dict(first["model"], strict=True)
