@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import torch.distributed as dist
 import torch.nn as nn
 
 from .runtime.consistency import assert_same_across
 from .errors import ConfigurationError
 from .planner.inputs import check_model_arg, example_args
 from .planner.rules import load_rules
+from .parallel.fsdp import fsdp_options
 from .parallel_dims import ParallelDims
+from .planner.recompute import block_names
 from .runtime.comm import Group, as_group
 from .sharded import ShardedModule
 
@@ -17,7 +20,7 @@ def parallelize(model: nn.Module, tp: int | None = None, *, group=None, mesh=Non
                 example_inputs=None, rules="megatron", gather_output: bool = True,
                 strict: bool = False, check_model: bool = True,
                 recompute=False, sequence_parallel: bool = False,
-                compile=False) -> ShardedModule:
+                compile=False, fsdp=False) -> ShardedModule:
     """Megatron tensor parallelism for ``model`` over a process group.
 
     Returns a module with the same call signature holding only this rank's
@@ -38,6 +41,13 @@ def parallelize(model: nn.Module, tp: int | None = None, *, group=None, mesh=Non
     ``fullgraph=True`` (``True``: inductor; or a backend name such as
     ``"aot_eager"``): the whole graph, or each recomputed block; it needs a
     ``torch.distributed`` process group. The plan is the same either way.
+
+    ``fsdp``: also shard over the mesh's "dp" dimension with FSDP2
+    (``fully_shard`` per block, every element of every ``nn.ModuleList``, then
+    the root): ``True`` or a dict of ``fully_shard`` options (``mp_policy``,
+    ``reshard_after_forward``, ``offload_policy``). The parameters are then
+    FSDP2's ``DTensor`` shards over "dp" of this rank's TP shards; the TP
+    layout stays in each one's ``ParallelSpec`` (``layouts.spec_of``).
     """
     check_model_arg(model)
     grp = _group(group, mesh)
@@ -56,11 +66,41 @@ def parallelize(model: nn.Module, tp: int | None = None, *, group=None, mesh=Non
                            what=f"{type(model).__name__} is not the same model on every rank",
                            fix="build the model identically on every rank (same seed or the same "
                                "checkpoint) before parallelize, or pass check_model=False")
+    fsdp_blocks, options = _fsdp_plan(model, fsdp, mesh, recompute)
+    if fsdp_blocks and compile:
+        raise ConfigurationError(
+            "compile= together with fsdp= is not supported yet (FSDP2's per-block hooks and "
+            "the compiled units are not aligned)",
+            where="parallelize", fix="pass one of compile= or fsdp=")
     example = example_args(model, example_inputs)
     sharded = ShardedModule(model, grp, load_rules(rules), example=example,
                             gather_output=gather_output, strict=strict, recompute=recompute,
-                            sequence_parallel=sequence_parallel, compile=compile)
+                            sequence_parallel=sequence_parallel, compile=compile,
+                            fsdp_blocks=fsdp_blocks)
+    if fsdp_blocks:
+        sharded.shard_data_parallel(mesh["dp"], options)
     return sharded
+
+
+def _fsdp_plan(model: nn.Module, fsdp, mesh, recompute) -> tuple[list[str], dict]:
+    """(the blocks FSDP2 shards, its options); nothing for ``fsdp=False``."""
+    if fsdp is False or fsdp is None:
+        return [], {}
+    options = fsdp_options(fsdp)
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if mesh is None or "dp" not in names:
+        raise ConfigurationError(
+            f"fsdp needs a device mesh with 'dp' and 'tp' dimensions, got "
+            f"{'no mesh' if mesh is None else list(names) or 'an unnamed mesh'}",
+            where="parallelize",
+            fix="pass mesh=ParallelDims(tp=..., dp=...).with_mesh(device).mesh")
+    ParallelDims.from_mesh(mesh).check_world(dist.get_world_size())
+    if recompute not in (False, True):
+        raise ConfigurationError(
+            f"fsdp with recompute={recompute!r}: FSDP2 shards every block, and recomputation "
+            "can only follow the same blocks", where="parallelize",
+            fix="pass recompute=True (every block) or False")
+    return block_names(model, True), options
 
 
 def _check_devices(model: nn.Module) -> None:

@@ -18,6 +18,7 @@ from .planner.annotate import Annotation, annotate
 from .planner.inputs import check_dtypes
 from .layouts import Replicate, Shard, set_spec, spec_of
 from .planner.plan import build_plan
+from .parallel.fsdp import OwnedPiece, adopt_tree, apply_fsdp, install_owners, route_through_owners
 from .planner.recompute import Recomputed, block_names, outline_blocks
 from .errors import CheckpointError, ConfigurationError
 from .planner.rewrite import bind, gather_params, rewrite
@@ -35,7 +36,7 @@ class ShardedModule(nn.Module):
     def __init__(self, source: nn.Module, group: Group, rules: RuleSet, *,
                  example: tuple[tuple, dict], gather_output: bool, strict: bool,
                  recompute=False, compile=False, captured: Captured | None = None,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, fsdp_blocks: list[str] = ()):
         super().__init__()
         self._compile = compile  # False, or torch.compile's backend (True: inductor)
         self._source = [source]  # a list hides it from nn.Module's registry
@@ -45,6 +46,8 @@ class ShardedModule(nn.Module):
         self._graphs: dict = {}
         #: FQNs of the blocks whose activations are recomputed in backward
         self.recomputed = block_names(source, recompute) if recompute else []
+        #: FQNs of the blocks FSDP2 shards over the data-parallel ranks (``parallel.fsdp``)
+        self.fsdp_blocks = list(fsdp_blocks)
         args, kwargs = example
         with PLANNING_LOCK:
             ann, captured = self._annotate(args, kwargs, source.training, captured)
@@ -60,6 +63,9 @@ class ShardedModule(nn.Module):
                 self.add_module(name, child)
         for name, t in gm._parameters.items():
             self.register_parameter(name, t)
+        if self.fsdp_blocks:
+            install_owners(self, self.fsdp_blocks)
+            adopt_tree(gm, self)
         self.annotation = ann
         self.train(source.training)
         self._last = _key(args, kwargs, source.training)
@@ -120,10 +126,19 @@ class ShardedModule(nn.Module):
                 list(parts), int(full[-1]))
         return gather
 
+    def shard_data_parallel(self, dp_mesh, options: dict) -> None:
+        """FSDP2 over ``dp_mesh`` per block, then the root (``parallel.fsdp.apply_fsdp``);
+        from then on this rank's parameters are its ``DTensor`` shards of its TP shards."""
+        apply_fsdp(self, self.fsdp_blocks, dp_mesh, options)
+        self._tensors.update(self.named_parameters(remove_duplicate=False))
+
     def load_local_(self, tensors: dict[str, torch.Tensor]) -> None:
         """Set this rank's tensors by FQN (every alias of a tied one): copied in place
         where they exist; where they are still on ``meta`` the given tensors become the
         storage (no copy: loading costs one shard, not two)."""
+        if self.fsdp_blocks:
+            raise CheckpointError("a model sharded with FSDP2 loads only DCP checkpoints",
+                                  fix="use shardplan.checkpoint.load_dcp(sharded, path)")
         for fqn, value in tensors.items():
             current = self._tensors[fqn]
             if current.is_meta or current.shape != value.shape:
@@ -195,12 +210,25 @@ class ShardedModule(nn.Module):
         gm = rewrite(ann, self._group, gather_output=self._gather, device=target)
         if whole:
             gather_params(gm, whole, self._group)
-        if self.recomputed:
-            gm = outline_blocks(gm, self.recomputed, self._group)
-        bind(gm, self._tensors)
+        outlined = self.fsdp_blocks or self.recomputed
+        if outlined:
+            gm = outline_blocks(gm, outlined, self._wrap)
+        if not self.fsdp_blocks:
+            bind(gm, self._tensors)
+        elif not self._graphs:  # the first graph: its module tree becomes this module's
+            bind(gm, self._tensors)
+            gm = route_through_owners(gm)
+        else:  # read the module tree FSDP2 manages
+            gm = route_through_owners(gm)
+            adopt_tree(gm, self)
         if self._compile:
             compile_graph(gm, "inductor" if self._compile is True else self._compile)
         return gm
+
+    def _wrap(self, piece: fx.GraphModule, block: str) -> nn.Module:
+        if block in self.recomputed:
+            piece = Recomputed(piece, block, self._group)
+        return OwnedPiece(piece, block) if self.fsdp_blocks else piece
 
 
 def compile_graph(gm: fx.GraphModule, backend: str) -> None:

@@ -42,11 +42,13 @@ together), ``entries`` (the module's tensors with their specs), ``optimizer``,
 and ``pretrained`` (an HF folder in one call).
 """
 
+from .dcp import load_dcp, save_dcp
 from .full import gather_full_state_dict, load_full_state_dict, save_full
 from .pretrained import load_pretrained
 from .index import FORMAT, INDEX, VERSION, rank_file
 from .resharding import reshard
 from .sharded import load_sharded, save_sharded
 
-__all__ = ["save_sharded", "load_sharded", "reshard", "gather_full_state_dict", "save_full",
-           "load_full_state_dict", "load_pretrained", "rank_file", "FORMAT", "VERSION", "INDEX"]
+__all__ = ["save_dcp", "load_dcp", "save_sharded", "load_sharded", "reshard",
+           "gather_full_state_dict", "save_full", "load_full_state_dict", "load_pretrained",
+           "rank_file", "FORMAT", "VERSION", "INDEX"]

@@ -5,7 +5,8 @@ forward again during backward, trading one more forward (including its g
 all-reduces) for the activations inside it. The rewritten graph is one flat
 graph, so ``outline_blocks`` cuts it into one submodule per block (torch's
 ``split_module``; node order, and so the order of collectives, is kept) and
-wraps each block's submodule in ``Recomputed``.
+the sharded module wraps each block's submodule in ``Recomputed`` (FSDP2 cuts
+the graph at the same boundaries: ``parallel.fsdp``).
 
 Recomputed dropout must draw the masks of the first pass, in both random
 streams: torch's checkpoint restores the default generators (the replicated
@@ -16,7 +17,7 @@ not know about.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -75,8 +76,10 @@ def _ancestors(fqn: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(1, len(parts))]
 
 
-def outline_blocks(gm: fx.GraphModule, blocks: list[str], group: Group) -> fx.GraphModule:
-    """``gm`` with the nodes of each block in one ``Recomputed`` submodule.
+def outline_blocks(gm: fx.GraphModule, blocks: list[str],
+                   wrap: Callable[[fx.GraphModule, str], nn.Module]) -> fx.GraphModule:
+    """``gm`` with the nodes of each block in one submodule, ``wrap(piece, block_fqn)``
+    (``Recomputed``; FSDP's ``OwnedPiece``).
 
     A node belongs to the block whose module produced it; nodes the rewriter
     inserted (f, g, shard slices) carry no module and belong with the node
@@ -115,7 +118,7 @@ def outline_blocks(gm: fx.GraphModule, blocks: list[str], group: Group) -> fx.Gr
     for segment, label in set(labels.values()):
         if label is not None:
             name = f"submod_{PREFIX}{segment}"
-            setattr(split, name, Recomputed(getattr(split, name), label, group))
+            setattr(split, name, wrap(getattr(split, name), label))
     return split
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Callable, TypeVar
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ..errors import CommunicationError, ShardplanError
 from .comm import Group
@@ -71,6 +72,8 @@ def fingerprints(tensors: list[torch.Tensor]) -> torch.Tensor:
     """(n, 2) float64: sum and sum of squares of each tensor (meta tensors give zeros)."""
     rows = []
     for t in tensors:
+        if isinstance(t, DTensor):  # FSDP2's shard: this rank's part
+            t = t.to_local()
         if t.is_meta:
             rows.append(torch.zeros(2, dtype=torch.float64))
             continue

@@ -9,7 +9,8 @@
    ``shardplan.train.trainer.Trainer`` (the training entry point: the tp x dp mesh,
    AdamW with weight decay 0.01, warm-up then cosine, global-norm clipping at
    1.0 that counts replicated gradients once, gradients averaged over the dp
-   replicas) on the public-domain corpus bundled in ``shardplan.data``, one
+   replicas, or FSDP2 over them with ``--fsdp``) on the public-domain corpus
+   bundled in ``shardplan.data``, one
    step at a time behind a progress line;
 3. trains the unsharded model on the same batches in this process with the
    ranks' own step (``trainer.training_step``: the same optimizer, schedule
@@ -69,6 +70,7 @@ class DemoConfig:
     weight_decay: float = 0.01
     clip: float = 1.0
     sequence_parallel: bool = False
+    fsdp: bool = False  # FSDP2 over the dp ranks instead of replicas
 
     @property
     def block(self) -> int:
@@ -98,7 +100,8 @@ def train_config(cfg: DemoConfig, data: str):
                        steps=cfg.steps, batch_size=cfg.batch // cfg.dp, seq_len=cfg.block,
                        lr=cfg.lr, warmup=cfg.warmup, clip=cfg.clip,
                        weight_decay=cfg.weight_decay, seed=cfg.seed, data=data,
-                       log_every=0, device="cpu", sequence_parallel=cfg.sequence_parallel)
+                       log_every=0, device="cpu", sequence_parallel=cfg.sequence_parallel,
+                       fsdp=cfg.fsdp)
 
 
 @contextlib.contextmanager
@@ -289,7 +292,8 @@ def _run(cfg: DemoConfig, data: str) -> int:
           f"public-domain text, {cfg.steps} steps of {cfg.batch} x {cfg.block} tokens\n")
     print(_plan_summary(plan))
     world = cfg.tp * cfg.dp
-    print(f"\nstarting {world} gloo processes (tp={cfg.tp} x dp={cfg.dp}) ...", flush=True)
+    print(f"\nstarting {world} gloo processes (tp={cfg.tp} x dp={cfg.dp}"
+          f"{', FSDP2 over dp' if cfg.fsdp else ''}) ...", flush=True)
     t0 = time.perf_counter()
     with RealRanks(world) as ranks:
         ranks.start()
@@ -308,7 +312,8 @@ def _run(cfg: DemoConfig, data: str) -> int:
              for name in ("loss.png", "plan.json", "summary.json", "summary.md")}
     plot.save_png(plot.loss_figure(
         [plot.Curve("unsharded", b, "tab:orange", 5.0),
-         plot.Curve(f"tp={cfg.tp} dp={cfg.dp} ({world} gloo processes)", a, "tab:blue", 1.5)],
+         plot.Curve(f"tp={cfg.tp} dp={cfg.dp}{' FSDP2' if cfg.fsdp else ''} ({world} gloo "
+                    "processes)", a, "tab:blue", 1.5)],
         title=f"shardplan demo: GPT {cfg.size}, training loss",
         verdict=f"max |Δloss| {max(diffs):.1e}: {'match' if ok else 'DISAGREE'}"),
         files["loss.png"])
@@ -426,12 +431,15 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--sequence-parallel", action="store_true",
                     help="hold the activations between the parallel regions on 1/tp of the "
                          "sequence")
+    ap.add_argument("--fsdp", action="store_true",
+                    help="shard parameters, gradients and optimizer state over the dp ranks "
+                         "with FSDP2 (e.g. --tp 2 --dp 2 --fsdp)")
 
 
 def config_from_args(args) -> DemoConfig:
     return DemoConfig(tp=args.tp, dp=args.dp, steps=args.steps, size=args.size,
                       out=args.out, seed=args.seed, batch=args.batch,
-                      sequence_parallel=args.sequence_parallel)
+                      sequence_parallel=args.sequence_parallel, fsdp=args.fsdp)
 
 
 def main(argv: list[str] | None = None) -> int:

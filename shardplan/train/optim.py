@@ -23,6 +23,11 @@ tp) counts once, on the first rank of its replica group.
 (``average_gradients``: one flat all-reduce per dtype and device, divided by
 the group size) before the norm is taken; afterwards every replica holds the
 same gradients, so the norm needs no reduction over data-parallel ranks.
+Under FSDP2 (``parallelize(..., fsdp=True)``) the gradients are ``DTensor``
+shards over the "dp" mesh dimension, already averaged by FSDP2's
+reduce-scatter; the shards are disjoint, so their squares are summed over the
+data-parallel ranks too (one more scalar all-reduce), and each rank scales
+its own shard.
 
 **fp16.** ``TPGradScaler`` is ``torch.amp.GradScaler`` with an overflow check
 that every rank agrees on (torch's AMP recipe, clipping the unscaled grads)::
@@ -43,10 +48,12 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..errors import ConfigurationError
 from ..layouts import Shard, spec_of
+from ..runtime.comm import TorchGroup
 
 __all__ = ["build_optimizer", "param_groups", "lr_schedule", "cosine_scheduler",
            "clip_grad_norm_", "average_gradients", "grad_norm", "TPGradScaler"]
@@ -200,27 +207,34 @@ def _all_reduce(t: torch.Tensor, group, op: str, site: str, direction: str = "no
 # global-norm clipping under TP
 # --------------------------------------------------------------------------
 
-def _owned(model: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor], object]:
-    """(every gradient, the gradients this rank counts in the norm, the TP group or None).
+def _owned(model: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor], list]:
+    """(every local gradient, the ones this rank counts in the norm, the groups to sum
+    over: the TP group if any, and the FSDP2 data-parallel group if the gradients are
+    its ``DTensor`` shards).
 
     Each parameter's placement comes from its spec (``layouts.spec_of``); a
     parameter without one (a plain module's) is replicated.
     """
     group = getattr(model, "group", None)
     rank = group.rank if group is not None else 0
-    every, owned = [], []
+    every, owned, fsdp_group = [], [], None
     for p in model.parameters():  # tied parameters once
         if p.grad is None:
             continue
-        every.append(p.grad)
+        grad = p.grad
+        if isinstance(grad, DTensor):
+            fsdp_group = fsdp_group or TorchGroup(grad.device_mesh.get_group())
+            grad = grad.to_local()
+        every.append(grad)
         spec = spec_of(p)
         lay = spec.layout["tp"] if spec is not None else None
         if isinstance(lay, Shard):
             if rank % lay.replicas == 0:  # the first rank of the ranks sharing this slice
-                owned.append(p.grad)
+                owned.append(grad)
         elif rank == 0:  # replicated: the same on every TP rank, counted once
-            owned.append(p.grad)
-    return every, owned, group
+            owned.append(grad)
+    groups = [g for g in (group, fsdp_group) if g is not None and g.size > 1]
+    return every, owned, groups
 
 
 def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
@@ -229,8 +243,8 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
     Collective over ``model.group`` (a ``ShardedModule``; a plain module is its
     own whole). Returns a float32 scalar, bit-identical on every TP rank.
     """
-    _, owned, group = _owned(model)
-    return _global_norm(owned, group, float(norm_type), _device(model))
+    _, owned, groups = _owned(model)
+    return _global_norm(owned, groups, float(norm_type), _device(model))
 
 
 def _device(model: nn.Module) -> torch.device:
@@ -239,12 +253,12 @@ def _device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _global_norm(owned: list[torch.Tensor], group, norm_type: float,
+def _global_norm(owned: list[torch.Tensor], groups: list, norm_type: float,
                  device: torch.device) -> torch.Tensor:
     if norm_type == math.inf:
         local = torch.stack([g.detach().abs().max().float() for g in owned]).max() \
             if owned else torch.zeros((), device=device)
-        if group is not None and group.size > 1:
+        for group in groups:
             local = group.all_reduce(local.reshape(1), "max", site="grad norm").reshape(())
         return local
     if norm_type != 2.0:
@@ -255,7 +269,7 @@ def _global_norm(owned: list[torch.Tensor], group, norm_type: float,
                              for g in owned]).square().sum()
     else:
         local = torch.zeros((), dtype=torch.float32, device=device)
-    if group is not None and group.size > 1:
+    for group in groups:
         local = group.all_reduce(local.reshape(1), "sum", site="grad norm").reshape(())
     return local.sqrt()
 
@@ -277,8 +291,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float = 1.0, *, dp_group=None,
     """
     if dp_group is not None:
         average_gradients(model.parameters(), dp_group)
-    every, owned, group = _owned(model)
-    total = _global_norm(owned, group, float(norm_type), _device(model))
+    every, owned, groups = _owned(model)
+    total = _global_norm(owned, groups, float(norm_type), _device(model))
     if max_norm is None or max_norm <= 0 or not every:
         return total
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)

@@ -21,6 +21,11 @@ the step and ``batch_size * dp``: a single process with ``--batch-size
 B*dp`` sees exactly the concatenation of the replicas' batches, and a resumed
 run reads exactly what the uninterrupted one would have.
 
+``--fsdp``: the data-parallel dimension is FSDP2 (``parallelize(fsdp=True)``):
+parameters, gradients and optimizer state are sharded over the dp ranks per
+block, and FSDP2's reduce-scatter averages the gradients (the hand-written
+all-reduce is only for ``--fsdp`` off).
+
 **Optimizer.** ``shardplan.train.optim``: AdamW (betas 0.9/0.95, no decay on 1-D
 parameters), linear warm-up then cosine decay to ``--min-lr``, global-norm
 clipping that is correct under TP. ``--bf16``: ``torch.autocast`` to bfloat16
@@ -36,7 +41,9 @@ masks of the first pass.
 **Checkpoints.** ``--save DIR`` writes ``DIR/step-00000050`` (a
 ``shardplan.checkpoint`` directory: shards and optimizer state per TP rank)
 every ``--save-every`` steps and at the end; data-parallel replica 0 writes,
-the others hold the same values. ``extra`` carries the step, the data
+the others hold the same values. With ``--fsdp`` it is a torch DCP checkpoint
+in the unsharded model's key space (``checkpoint.save_dcp``), every rank
+writing its part. ``extra`` carries the step, the data
 position and each rank's RNG streams, so ``--resume DIR`` (the newest
 ``step-*`` in it, or a checkpoint directory itself) continues exactly: the
 next losses equal those of an uninterrupted run.
@@ -127,6 +134,9 @@ class TrainConfig:
     sequence_parallel: bool = option(False, "hold the activations between the parallel "
                                             "regions on 1/tp of the sequence (the sequence "
                                             "length must divide by tp)")
+    fsdp: bool = option(False, "shard parameters, gradients and optimizer state over the "
+                        "data-parallel ranks with FSDP2, per block (checkpoints are then "
+                        "torch DCP)")
     log_every: int = option(10, "steps between log lines (0: no logging)")
     dropout: float | None = option(None, "override a bundled preset's dropout")
     device: str | None = option(None, "cpu, cuda or cuda:N (default: cuda:LOCAL_RANK when "
@@ -154,6 +164,10 @@ class TrainConfig:
                                      fix="pass --save DIR too")
         if self.dropout is not None and not 0 <= self.dropout < 1:
             raise ConfigurationError(f"dropout={self.dropout} must be in [0, 1)")
+        if self.fsdp and self.fp16:
+            raise ConfigurationError("fsdp and fp16 are both set", where="--fsdp --fp16",
+                                     fix="use --bf16 with --fsdp (fp16 loss scaling over FSDP2's "
+                                         "sharded gradients is not implemented)")
         if self.bf16 and self.fp16:
             raise ConfigurationError("bf16 and fp16 are both set", where="--bf16 --fp16",
                                      fix="choose one: --bf16 (no loss scaling needed) or "
@@ -427,7 +441,8 @@ class Trainer:
         example = tuple(t.to(self.device) for t in self.data.batch(0, self.dp_rank))
         self.sharded = parallelize(model, mesh=self.dims.mesh, example_inputs=example,
                                    gather_output=False, recompute=config.recompute,
-                                   sequence_parallel=config.sequence_parallel)
+                                   sequence_parallel=config.sequence_parallel,
+                                   fsdp=config.fsdp)
         self.tracker = manual_seed(config.seed, self.tp_rank)
         self.optimizer = build_optimizer(self.sharded, config.lr,
                                          weight_decay=config.weight_decay)
@@ -445,7 +460,7 @@ class Trainer:
         batch = tuple(t.to(self.device, non_blocking=True)
                       for t in self.data.batch(step, self.dp_rank))
         done = training_step(self.sharded, self.optimizer, self.scaler, batch, config=c, lr=lr,
-                             dp_group=self.dp_group)
+                             dp_group=None if c.fsdp else self.dp_group)  # FSDP2 averages
         if done.skipped and self.rank == 0:
             why = (f"inf/nan gradients at loss scale {done.scale:g}, backed off to "
                    f"{self.scaler.get_scale():g}" if c.fp16 else f"gradient norm {done.norm.item()}")
@@ -516,7 +531,7 @@ class Trainer:
         check_replicas(self.sharded)
 
     def _check_dp_replicas(self) -> None:
-        if self.dp > 1:
+        if self.dp > 1 and not self.config.fsdp:  # FSDP2's shards are not replicas
             assert_same_across(self.dp_group, dict(self.sharded.named_parameters()),
                                what="data-parallel replicas drifted",
                                fix="every replica must average the same gradients and "
@@ -533,9 +548,15 @@ class Trainer:
                            "steps": c.steps, "bf16": c.bf16, "fp16": c.fp16}}
 
     def save(self, path: Path) -> None:
-        """Collective over the world; data-parallel replica 0 writes."""
+        """Collective over the world; data-parallel replica 0 writes (with FSDP2: every
+        rank, a DCP checkpoint, each rank's random streams in ``extra``)."""
         t0 = time.perf_counter()
-        if self.dp_rank == 0:
+        if self.config.fsdp:
+            extra = self.extra()
+            extra["rng"] = [None] * self.world
+            dist.all_gather_object(extra["rng"], _rng_json(self.tracker.get_states()))
+            checkpoint.save_dcp(self.sharded, path, optimizer=self.optimizer, extra=extra)
+        elif self.dp_rank == 0:
             checkpoint.save_sharded(self.sharded, path, optimizer=self.optimizer,
                                     extra=self.extra())
         dist.barrier()
@@ -545,7 +566,13 @@ class Trainer:
 
     def resume(self, path) -> None:
         path = resolve_checkpoint(path)
-        extra = checkpoint.load_sharded(self.sharded, path, optimizer=self.optimizer)
+        if self.config.fsdp:
+            extra = checkpoint.load_dcp(self.sharded, path, optimizer=self.optimizer)
+            rng = extra.get("rng") or []
+            extra["rng"] = rng[self.rank] if len(rng) == self.world else _rng_json(
+                self.tracker.get_states())  # another world: the streams start afresh
+        else:
+            extra = checkpoint.load_sharded(self.sharded, path, optimizer=self.optimizer)
         if extra.get("format") != FORMAT or "step" not in extra:
             raise ConfigurationError(f"{path} was not written by shardplan.train "
                                      f"(extra: {sorted(extra)[:5]})",
@@ -581,7 +608,8 @@ class Trainer:
               f"world {self.world} = dp {self.dp} x tp {self.tp}, {backend} on {self.device.type}"
               f"{', bf16 autocast' if c.bf16 else ''}"
               f"{', fp16 autocast with loss scaling' if c.fp16 else ''}"
-              f"{', recomputed blocks' if c.recompute else ''}; global batch "
+              f"{', recomputed blocks' if c.recompute else ''}"
+              f"{', FSDP2 over dp' if c.fsdp else ''}; global batch "
               f"{self.data.global_batch_size} x {c.seq_len} tokens; "
               f"data {c.data or 'synthetic'}", flush=True)
 
@@ -589,13 +617,18 @@ class Trainer:
 _STEP_DIR = re.compile(r"step-(\d+)$")
 
 
+def _is_checkpoint(path: Path) -> bool:
+    """A shardplan sharded checkpoint or a DCP one (``--fsdp``)."""
+    return (path / checkpoint.INDEX).is_file() or (path / ".metadata").is_file()
+
+
 def resolve_checkpoint(path) -> Path:
     """``path`` itself if it is a checkpoint, else its newest ``step-*`` checkpoint."""
     path = Path(path)
-    if (path / checkpoint.INDEX).is_file():
+    if _is_checkpoint(path):
         return path
     found = sorted((int(m.group(1)), p) for p in path.glob("step-*")
-                   if (m := _STEP_DIR.match(p.name)) and (p / checkpoint.INDEX).is_file())
+                   if (m := _STEP_DIR.match(p.name)) and _is_checkpoint(p))
     if not found:
         raise ConfigurationError(f"--resume {path}: no checkpoint there",
                                  fix="give a --save directory (its newest step-* is used) "

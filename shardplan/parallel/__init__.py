@@ -1,0 +1,1 @@
+"""Parallel dimensions beyond tensor parallelism, built on torch's engines (``fsdp``: FSDP2)."""

@@ -1,0 +1,149 @@
+"""Per-rank functions for tests/test_fsdp.py (picklable for RealRanks).
+
+Runs are on 4 gloo processes; the mesh is (dp, tp) with rank = dp_rank * tp + tp_rank.
+Each dp rank trains on its rows of every global batch.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import shardplan
+from shardplan.checkpoint import load_dcp, save_dcp
+from shardplan.train.optim import average_gradients, clip_grad_norm_
+
+STEPS, LR, CLIP = 3, 1e-2, 0.5
+
+
+def batches(vocab: int, rows: int = 4, seq: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One global batch (inputs, targets) per step."""
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randint(0, vocab, (rows, seq), generator=g),
+             torch.randint(0, vocab, (rows, seq), generator=g)) for _ in range(STEPS)]
+
+
+def loss_of(model, x, y) -> torch.Tensor:
+    if type(model).__module__.startswith("transformers") or getattr(model, "_hf", False):
+        return model(input_ids=x, labels=y).loss
+    return model(x, y)[1]
+
+
+def reference(model, data) -> tuple[list[float], dict]:
+    """One process, the unsharded model, the global batches: (losses, final state dict)."""
+    m = copy.deepcopy(model)
+    opt = torch.optim.AdamW(m.parameters(), lr=LR)
+    losses = []
+    for x, y in data:
+        opt.zero_grad()
+        loss = loss_of(m, x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), CLIP)
+        opt.step()
+        losses.append(loss.item())
+    return losses, m.state_dict()
+
+
+def _setup(model, data, dp: int, tp: int, fsdp):
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    x0, y0 = data[0]
+    rows = x0.shape[0] // dp
+    r = mesh.get_local_rank("dp")
+    mine = slice(r * rows, (r + 1) * rows)
+    hf = type(model).__module__.startswith("transformers")
+    example = {"input_ids": x0[mine], "labels": y0[mine]} if hf else (x0[mine], y0[mine])
+    sharded = shardplan.parallelize(copy.deepcopy(model), mesh=mesh, fsdp=fsdp,
+                                    example_inputs=example)
+    sharded._hf = hf
+    return sharded, torch.optim.AdamW(sharded.parameters(), lr=LR), mine, mesh
+
+
+def _steps(sharded, opt, data, mine, mesh) -> list[float]:
+    """Train on ``data``; the global batch's loss per step (the mean over dp ranks)."""
+    dp = mesh.get_group("dp")
+    losses = []
+    for x, y in data:
+        opt.zero_grad()
+        loss = loss_of(sharded, x[mine], y[mine])
+        loss.backward()
+        if not sharded.fsdp_blocks:
+            average_gradients(sharded.parameters(), dp)
+        clip_grad_norm_(sharded, CLIP)
+        opt.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=dp)
+        losses.append(total.item() / mesh.size(0))
+    return losses
+
+
+def train_rank(ctx, model, data, fsdp=True):
+    """TP x FSDP2 at (dp=2, tp=2): (losses, whether every parameter is a DTensor,
+    this rank's optimizer state elements)."""
+    sharded, opt, mine, mesh = _setup(model, data, 2, 2, fsdp)
+    losses = _steps(sharded, opt, data, mine, mesh)
+    dtensors = all(isinstance(p, DTensor) for p in sharded.parameters())
+    state = sum(t.to_local().numel() if isinstance(t, DTensor) else t.numel()
+                for s in opt.state.values() for k, t in s.items() if k != "step")
+    return losses, dtensors, state
+
+
+def save_rank(ctx, model, data, path):
+    """Train at (dp=2, tp=2) with FSDP2, save with the optimizer, train on ``data`` again:
+    the losses of all the steps."""
+    sharded, opt, mine, mesh = _setup(model, data, 2, 2, True)
+    losses = _steps(sharded, opt, data, mine, mesh)
+    save_dcp(sharded, path, optimizer=opt)
+    return losses + _steps(sharded, opt, data, mine, mesh)
+
+
+def reload_rank(ctx, model, data, path, dp, tp, fsdp, again, steps):
+    """Load ``path`` at (dp, tp), save it to ``again``, train on ``steps``: the losses."""
+    sharded, opt, mine, mesh = _setup(model, data, dp, tp, fsdp)
+    load_dcp(sharded, path, optimizer=opt)
+    save_dcp(sharded, again, optimizer=opt)
+    return _steps(sharded, opt, steps, mine, mesh)
+
+
+def crashed_save_rank(ctx, model, data, path):
+    """Save the fresh model, train a step, save again with rank 1's writes failing:
+    (the error, the losses of training after loading what is at ``path`` now)."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    sharded, opt, mine, mesh = _setup(model, data, 2, 2, True)
+    save_dcp(sharded, path, optimizer=opt)
+    _steps(sharded, opt, data[:1], mine, mesh)
+    write = FileSystemWriter.write_data
+    if ctx.rank == 1:
+        def broken(self, plan, planner):
+            raise OSError("disk full (injected)")
+        FileSystemWriter.write_data = broken
+    try:
+        save_dcp(sharded, path, optimizer=opt)
+        error = None
+    except Exception as e:  # every rank must raise
+        error = f"{type(e).__name__}: {e}"
+    finally:
+        FileSystemWriter.write_data = write
+    fresh, fresh_opt, _, _ = _setup(model, data, 2, 2, True)
+    load_dcp(fresh, path, optimizer=fresh_opt)
+    return error, _steps(fresh, fresh_opt, data, mine, mesh)
+
+
+def options_rank(ctx, model, data):
+    """FSDP2 with ``reshard_after_forward=False`` and recomputed blocks: the losses, then
+    the shape of the logits of another call signature (eval, no targets)."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    r = mesh.get_local_rank("dp")
+    mine = slice(2 * r, 2 * r + 2)
+    x0, y0 = data[0]
+    sharded = shardplan.parallelize(copy.deepcopy(model), mesh=mesh, recompute=True,
+                                    fsdp={"reshard_after_forward": False},
+                                    example_inputs=(x0[mine], y0[mine]))
+    losses = _steps(sharded, torch.optim.AdamW(sharded.parameters(), lr=LR), data, mine, mesh)
+    sharded.eval()
+    with torch.no_grad():
+        logits, _ = sharded(x0[mine])
+    return losses, tuple(logits.shape)

@@ -1,0 +1,196 @@
+"""TP x FSDP2 (``parallelize(mesh=, fsdp=True)``) and torch DCP checkpoints.
+
+Training runs are on 4 gloo processes as a (dp=2, tp=2) mesh and must match one
+process training the unsharded model on the global batch; checkpoints saved there
+load at other layouts (tp=4, tp=1, without FSDP2) and into the plain model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import fsdp_cases as cases
+import hf_cases
+import train_cases
+import shardplan
+from shardplan import ConfigurationError
+from shardplan.models import build
+
+RTOL = 1e-5
+
+
+def close(actual, expected, what):
+    for i, (a, b) in enumerate(zip(actual, expected, strict=True)):
+        assert abs(a - b) <= RTOL * abs(b), f"{what} at step {i + 1}: {a} vs {b}"
+
+
+MODELS = {"gpt": lambda: build("gpt-tiny"), "llama": lambda: build("llama-tiny"),
+          "hf-gpt2": lambda: hf_cases.build("gpt2"), "hf-llama": lambda: hf_cases.build("llama")}
+
+
+@pytest.mark.real
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_fsdp_trains_like_one_process(real_ranks, name):
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    vocab = max(m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding))
+    data = cases.batches(vocab)
+    expected, _ = cases.reference(model, data)
+    runs = real_ranks(4).run(cases.train_rank, model, data)
+    unsharded = 2 * sum(p.numel() for p in model.parameters())  # AdamW: two moments
+    for rank, (losses, dtensors, state) in enumerate(runs):
+        close(losses, expected, f"rank {rank}")
+        assert dtensors, f"rank {rank}: not every parameter is a DTensor"
+        assert state <= 0.3 * unsharded, f"rank {rank} holds {state} of {unsharded} state"
+
+
+@pytest.fixture(scope="module")
+def saved(real_ranks, tmp_path_factory):
+    """gpt-tiny trained 3 steps at (dp=2, tp=2) with FSDP2, saved with its optimizer, then
+    trained 3 more steps: the losses of all 6 steps."""
+    torch.manual_seed(0)
+    model = build("gpt-tiny")
+    data = cases.batches(96)
+    path = tmp_path_factory.mktemp("dcp") / "ck"
+    losses = real_ranks(4).run(cases.save_rank, model, data, str(path))
+    return model, data, path, losses
+
+
+def _torch_file(path, tmp_path, name):
+    dcp_to_torch_save(path, tmp_path / name)
+    return torch.load(tmp_path / name, weights_only=False)
+
+
+@pytest.mark.real
+@pytest.mark.timeout(120)
+def test_dcp_loads_into_the_plain_model(saved, tmp_path):
+    model, data, path, losses = saved
+    expected_losses, expected = cases.reference(model, data)
+    for rank, got in enumerate(losses):
+        close(got[:3], expected_losses, f"rank {rank}")
+    state = _torch_file(path, tmp_path, "ck.pt")
+    plain = build("gpt-tiny")
+    plain.load_state_dict(state["model"], strict=True)
+    for name, t in plain.state_dict().items():
+        torch.testing.assert_close(t, expected[name], rtol=0, atol=1e-4, msg=name)
+    assert set(state["optim"]["state"]) <= set(state["model"])
+
+
+@pytest.mark.real
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dp,tp,fsdp", [(1, 4, False), (4, 1, False), (2, 2, True)])
+def test_dcp_reshards_and_resumes(real_ranks, saved, tmp_path, dp, tp, fsdp):
+    """Loading at another layout holds the same tensors (saved again, they are equal to
+    the last bit) and training continues the loss curve; at the saving layout, exactly
+    as the uninterrupted run did."""
+    model, data, path, uninterrupted = saved
+    again = tmp_path / "again"
+    runs = real_ranks(4).run(cases.reload_rank, model, data, str(path), dp, tp, fsdp,
+                             str(again), data)
+    first, second = _torch_file(path, tmp_path, "a.pt"), _torch_file(again, tmp_path, "b.pt")
+    torch.testing.assert_close(second["model"], first["model"], rtol=0, atol=0)
+    torch.testing.assert_close(second["optim"]["state"], first["optim"]["state"], rtol=0, atol=0)
+    assert second["optim"]["param_groups"] == first["optim"]["param_groups"]
+    expected, _ = cases.reference(model, data + data)
+    for rank, losses in enumerate(runs):
+        close(losses, expected[3:], f"rank {rank}")
+        if (dp, tp, fsdp) == (2, 2, True):
+            assert losses == uninterrupted[rank][3:], f"rank {rank}"
+
+
+@pytest.mark.real
+@pytest.mark.timeout(120)
+def test_a_save_that_dies_leaves_the_previous_checkpoint(real_ranks, saved, tmp_path):
+    """The first save holds the fresh model: loaded after the failed save, it trains as
+    the fresh model did."""
+    model, data, _, fresh = saved
+    runs = real_ranks(4).run(cases.crashed_save_rank, model, data, str(tmp_path / "ck"))
+    for rank, (error, losses) in enumerate(runs):
+        assert error and "CheckpointError" in error and "injected" in error, f"rank {rank}"
+        assert losses == fresh[rank][:3], f"rank {rank}"
+    assert (tmp_path / "ck" / ".metadata").is_file()
+
+
+# -- bad input, on torch's in-process fake process group -----------------------------------
+
+@contextlib.contextmanager
+def fake_world(size: int):
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _mesh(shape, names):
+    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+
+
+@pytest.mark.parametrize("make,fsdp,match", [
+    (lambda: _mesh((2, 2), ("dp", "pp")), True, "needs a 'tp' dimension"),
+    (lambda: _mesh((4,), ("tp",)), True, "fsdp needs a device mesh with 'dp' and 'tp'"),
+    (lambda: None, True, "fsdp needs a device mesh"),
+    (lambda: DeviceMesh("cpu", torch.tensor([[0, 1]]), mesh_dim_names=("dp", "tp")), True,
+     "the world has 4"),
+    (lambda: _mesh((2, 2), ("dp", "tp")), {"bucket": 1}, "fully_shard options"),
+])
+def test_bad_fsdp_input(make, fsdp, match):
+    with fake_world(4):
+        with pytest.raises(ConfigurationError, match=match) as e:
+            shardplan.parallelize(build("gpt-tiny"), mesh=make(), fsdp=fsdp, check_model=False)
+    assert e.value.fix
+
+
+# -- python -m shardplan.train --fsdp ------------------------------------------------------
+
+@pytest.mark.real
+@pytest.mark.timeout(120)
+def test_trainer_fsdp_equals_unsharded_and_resumes_exactly(real_ranks, tmp_path):
+    cfg = dict(train_cases.BASE, steps=6, fsdp=True)
+    first = dict(cfg, save=str(tmp_path / "ck"), save_every=3)
+    second = dict(cfg, resume=str(tmp_path / "ck" / "step-00000003"))
+    runs = real_ranks(4).run(train_cases.resume_rank, first, second)
+    full, resumed = runs[0]
+    want, _ = train_cases.reference_losses(cfg, dp=2)
+    close(full, want, "loss")
+    assert resumed == full[3:], (resumed, full[3:])
+    assert all(r == runs[0] for r in runs)
+    assert (tmp_path / "ck" / "step-00000006" / ".metadata").is_file()
+
+
+@pytest.mark.real
+@pytest.mark.timeout(120)
+def test_fsdp_options_recompute_and_another_call_signature(real_ranks, saved):
+    model, data, _, fsdp_losses = saved
+    for rank, (losses, shape) in enumerate(real_ranks(4).run(cases.options_rank, model, data)):
+        assert losses == fsdp_losses[rank][:3], f"rank {rank}"
+        assert shape == (2, 8, 96)
+
+
+@pytest.mark.real
+@pytest.mark.timeout(180)
+def test_dcp_padded_vocabulary_and_shared_kv_heads(real_ranks, tmp_path):
+    """HF Llama: a vocabulary of 101 is padded at tp=2 and tp=4, and its 2 K/V heads are
+    shared by pairs of ranks at tp=4. Saved at (dp=2, tp=2), loaded at tp=4 and saved
+    again: the same tensors; and the file loads strictly into the plain model."""
+    model = hf_cases.build("llama")
+    data = cases.batches(hf_cases.VOCAB)
+    path, again = tmp_path / "ck", tmp_path / "again"
+    real_ranks(4).run(cases.save_rank, model, data, str(path))
+    runs = real_ranks(4).run(cases.reload_rank, model, data, str(path), 1, 4, False,
+                             str(again), data[:1])
+    expected, _ = cases.reference(model, data + data)
+    for rank, losses in enumerate(runs):
+        close(losses, expected[3:4], f"rank {rank}")
+    first, second = _torch_file(path, tmp_path, "a.pt"), _torch_file(again, tmp_path, "b.pt")
+    torch.testing.assert_close(second["model"], first["model"], rtol=0, atol=0)
+    plain = hf_cases.build("llama")
+    plain.load_state_dict(first["model"], strict=True)
