@@ -139,16 +139,17 @@ class _ShapeGroup(Group):
 def saved_activations(model: nn.Module, captured: Captured, ann: Annotation, args, kwargs, *,
                       recompute: bool, dtype: torch.dtype) -> tuple[int, list[int], int]:
     """(bytes outside the blocks, [bytes of each real block], blocks) rank 0 keeps for
-    backward, floating tensors counted at ``dtype``."""
+    backward. The graph runs at the model's dtypes; floating tensors count at ``dtype``
+    (ops that keep fp32 statistics under 16-bit autocast are not modelled)."""
     gm = rewrite(ann, _ShapeGroup(ann.tp), gather_output=False, device=torch.device("cpu"))
     names = _blocks(model, recompute)
     labels = _labels(gm, names)
     with FakeTensorMode(allow_non_fake_inputs=False):
-        tensors = _fake_locals(model, captured, ann, dtype)
+        tensors = _fake_locals(model, captured, ann)
         bind(gm, tensors)
         model_state = {t.untyped_storage()._cdata for t in tensors.values()}
-        fake_args = [_fake_like(a, dtype) for a in args]
-        fake_kwargs = {k: _fake_like(v, dtype) for k, v in kwargs.items()}
+        fake_args = [_fake_like(a) for a in args]
+        fake_kwargs = {k: _fake_like(v) for k, v in kwargs.items()}
         counter = _Saved(gm, labels, model_state, dtype, set(names) if recompute else set())
         flat = gm.graph._codegen.process_inputs(*fake_args, **fake_kwargs)
         with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
@@ -197,8 +198,7 @@ def _labels(gm: fx.GraphModule, names: list[str]) -> dict[fx.Node, str | None]:
     return out
 
 
-def _fake_locals(model: nn.Module, captured: Captured, ann: Annotation,
-                 dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _fake_locals(model: nn.Module, captured: Captured, ann: Annotation) -> dict[str, torch.Tensor]:
     """FQN -> a fake tensor of rank 0's local shape (one object per tied group)."""
     layouts = {captured.aliases.get(k, k): v for k, v in ann.params.items()}
     made: dict = {}
@@ -208,16 +208,14 @@ def _fake_locals(model: nn.Module, captured: Captured, ann: Annotation,
             owner, _, leaf = canon.rpartition(".")
             full = getattr(model.get_submodule(owner) if owner else model, leaf)
             shape = local_shape(tuple(full.shape), layouts.get(canon, Replicate()), ann.tp)
-            t = torch.empty(shape, dtype=dtype if full.is_floating_point() else full.dtype)
+            t = torch.empty(shape, dtype=full.dtype)
             made[canon] = nn.Parameter(t) if isinstance(full, nn.Parameter) else t
         out[fqn] = made[canon]
     return out
 
 
-def _fake_like(x, dtype: torch.dtype):
-    if not isinstance(x, torch.Tensor):
-        return x
-    return torch.zeros(x.shape, dtype=dtype if x.is_floating_point() else x.dtype)
+def _fake_like(x):
+    return torch.zeros(x.shape, dtype=x.dtype) if isinstance(x, torch.Tensor) else x
 
 
 class _Saved(fx.Interpreter):
