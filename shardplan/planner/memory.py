@@ -85,23 +85,31 @@ def estimate(plan, model: nn.Module, captured: Captured, ann: Annotation, args, 
         raise ConfigurationError(f"optimizer={optimizer!r} is not one shardplan estimates",
                                  fix=f"pass one of {sorted(OPTIMIZER_BYTES)} or None")
     dtype = dtype or next(model.parameters()).dtype
-    size = torch.empty((), dtype=dtype).element_size()
-    shard = dp if fsdp else 1
-    numel = sum(math.prod(p.local_shape) for p in plan.params)
-    state = OPTIMIZER_BYTES[optimizer] + (4 if size < 4 else 0) if optimizer else 0
-    params = grads = math.ceil(numel * size / shard)
-    transient = 2 * _largest_block(plan) * size * (dp - 1) // dp if fsdp else 0
+    params, grads, state, transient = state_bytes(plan, dtype, dp=dp, fsdp=fsdp,
+                                                  optimizer=optimizer)
     outside, per_block, n_blocks = saved_activations(model, captured, ann, args, kwargs,
                                                      recompute=recompute, dtype=dtype)
     activations = outside + sum(per_block)
-    peak = params + grads + math.ceil(numel * state / shard) + transient + activations
+    peak = params + grads + state + transient + activations
     return MemoryEstimate(
         dtype=str(dtype).replace("torch.", ""), optimizer=optimizer, dp=dp, fsdp=fsdp,
         sequence_parallel=sequence_parallel, recompute=recompute, params=params,
-        grads=grads, optimizer_state=math.ceil(numel * state / shard), fsdp_transient=transient,
+        grads=grads, optimizer_state=state, fsdp_transient=transient,
         activations=activations, activations_per_block=max(per_block, default=0),
         activations_outside_blocks=outside, blocks=n_blocks, peak=peak, gpu_memory=gpu_memory,
         fits=None if gpu_memory is None else peak <= gpu_memory)
+
+
+def state_bytes(plan, dtype: torch.dtype, *, dp: int, fsdp: bool,
+                optimizer: str | None) -> tuple[int, int, int, int]:
+    """Per-rank (parameters, gradients, optimizer state, FSDP transient) bytes."""
+    size = torch.empty((), dtype=dtype).element_size()
+    shard = dp if fsdp else 1
+    numel = sum(math.prod(p.local_shape) for p in plan.params)
+    per_param = OPTIMIZER_BYTES[optimizer] + (4 if size < 4 else 0) if optimizer else 0
+    transient = 2 * _largest_block(plan) * size * (dp - 1) // dp if fsdp else 0
+    return (math.ceil(numel * size / shard), math.ceil(numel * size / shard),
+            math.ceil(numel * per_param / shard), transient)
 
 
 def _largest_block(plan) -> int:
