@@ -10,7 +10,7 @@ Estimates only (planned on meta, no GPU): the activations come from the rank's
 rewritten graph run on fake tensors (what autograd saves); dp and FSDP change only
 the parameter, gradient and optimizer terms (``memory.state_bytes``). The paper
 column is Korthikanti et al. 2022's per-layer activations, L·sbh(10 + 24/t),
-L·sbh·34/t with SP, L·2sbh with recomputation, in bytes at 16 bits without the
+L·sbh·34/t with SP, L·2sbh with recomputation (L·2sbh/t with SP), in bytes at 16 bits without the
 5as²b/t attention term (the fused attention kernel does not keep s x s scores),
 and without the embedding, LM head and loss (the estimate's "outside").
 """
@@ -38,7 +38,7 @@ def _gib(n: int) -> str:
 
 def paper_activations(cfg, sp: bool, rc: bool) -> int:
     sbh = SEQ * BATCH * cfg.dim
-    per_layer = 2 * sbh if rc else (34 * sbh // TP if sp else 10 * sbh + 24 * sbh // TP)
+    per_layer = (2 * sbh // TP if sp else 2 * sbh) if rc else (34 * sbh // TP if sp else 10 * sbh + 24 * sbh // TP)
     return cfg.n_layers * per_layer
 
 
@@ -93,7 +93,7 @@ def main(argv=None) -> int:
         "Activations are what the rank's rewritten graph saves for backward (run on fake "
         "tensors), including the embedding, LM head and vocab-parallel loss outside the "
         "blocks; the paper column is Korthikanti et al. 2022's blocks-only formula at 16 bits "
-        "without the s² attention term. The peak is the sum (an upper bound). Estimates, not "
+        "without the s² attention term, derived for GPT blocks (4h MLP, LayerNorm): a Llama block saves more (a 3.5h SwiGLU MLP, RMSNorm written out in elementwise ops, RoPE). The peak is the sum (an upper bound). Estimates, not "
         "measurements: tests/test_memory_estimate.py checks every term within 5% of a real "
         "step of the bundled GPT at tp 2.", "", table, ""])
     write_doc(HEADING, section)
