@@ -92,8 +92,13 @@ _SP_HELP = ("hold the activations between the parallel regions on 1/tp of the se
 
 def _cmd_plan(args) -> int:
     from .planner.plan import plan
+    from .planner.memory import parse_bytes
+    dtype = getattr(torch, args.dtype) if args.dtype else None
     p = plan(build_target(args.target, meta=True), args.tp, strict=args.strict,
-             sequence_parallel=args.sequence_parallel)
+             sequence_parallel=args.sequence_parallel, batch=args.batch, seq=args.seq,
+             dp=args.dp, fsdp=args.fsdp, recompute=args.recompute, dtype=dtype,
+             optimizer=None if args.optimizer == "none" else args.optimizer,
+             gpu_memory=parse_bytes(args.gpu_memory) if args.gpu_memory else None)
     print(p.report())
     for path, text in ((args.json, p.to_json), (args.html, p.to_html)):
         if path:
@@ -156,6 +161,17 @@ def parser() -> argparse.ArgumentParser:
                    help="fail (LayoutError) where the rules cannot place an op, "
                         "instead of keeping that region replicated")
     p.add_argument("--sequence-parallel", action="store_true", help=_SP_HELP)
+    m = p.add_argument_group("training memory (estimated when --batch and --seq are given)")
+    m.add_argument("--batch", type=_tp, help="sequences per rank per step")
+    m.add_argument("--seq", type=_tp, help="sequence length")
+    m.add_argument("--dp", type=_tp, default=1, help="data-parallel size (default 1)")
+    m.add_argument("--fsdp", action="store_true",
+                   help="shard parameters, gradients and optimizer state over dp (FSDP2)")
+    m.add_argument("--recompute", action="store_true", help="recompute every block in backward")
+    m.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                   help="parameter and activation dtype (default: the model's)")
+    m.add_argument("--optimizer", choices=("adamw", "sgd", "none"), default="adamw")
+    m.add_argument("--gpu-memory", metavar="SIZE", help="say whether the peak fits, e.g. 80GB")
     p.set_defaults(run=_cmd_plan)
 
     v = sub.add_parser("verify",

@@ -9,6 +9,7 @@ disagree with the runtime.
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -21,6 +22,7 @@ from .annotate import Annotation, annotate
 from ..errors import CaptureError
 from .inputs import check_dtypes, check_model_arg, example_args
 from .kinds import Role
+from .memory import MemoryEstimate, estimate
 from ..layouts import Replicate, Shard
 from .rules import RuleSet, load_rules
 from .shards import local_shape
@@ -65,6 +67,8 @@ class Decision(BaseModel):
 class Memory(BaseModel):
     param_bytes_per_rank: int
     param_bytes_unsharded: int
+    #: a training step's per-rank bytes, when ``plan`` was given ``batch`` and ``seq``
+    training: MemoryEstimate | None = None
 
 
 class Plan(BaseModel):
@@ -126,21 +130,50 @@ class Plan(BaseModel):
 
 
 def plan(model: nn.Module, tp: int, *, example_inputs=None, rules="megatron",
-         strict: bool = False, sequence_parallel: bool = False) -> Plan:
+         strict: bool = False, sequence_parallel: bool = False, batch: int | None = None,
+         seq: int | None = None, dp: int = 1, fsdp: bool = False, recompute: bool = False,
+         dtype: torch.dtype | None = None, optimizer: str | None = "adamw",
+         gpu_memory: int | None = None) -> Plan:
     """The plan for ``model`` at ``tp``, with no process group and no real memory.
 
     Lists of identical blocks that run one after another are captured with
     three blocks (first, middle, last), and the middle one's decisions stamped
     onto the rest. ``sequence_parallel`` holds the
     activations between regions on 1/tp of the sequence (``annotate``).
+
+    With ``batch`` and ``seq`` (token ids, and targets when the forward takes
+    them, of that shape are the example inputs) or ``example_inputs``, and
+    any of the training keywords, ``plan.memory.training`` estimates a
+    training step's per-rank bytes (``memory.estimate``): ``dp`` replicas,
+    sharded by FSDP when ``fsdp``, ``recompute`` per block, parameters and
+    activations in ``dtype`` (default: the model's), ``optimizer`` state, and
+    whether the peak fits ``gpu_memory`` bytes.
     """
     check_model_arg(model, tp)
     ruleset = load_rules(rules)
+    if example_inputs is None and batch is not None and seq is not None:
+        example_inputs = token_batch(model, batch, seq)
     args, kwargs = example_args(model, example_inputs)
     captured = _capture_stamped(model, args, kwargs)
     check_dtypes(captured.gm)
     ann = annotate(captured.gm, tp, ruleset, strict=strict, sequence_parallel=sequence_parallel)
-    return build_plan(model, captured, ann, ruleset, args, kwargs)
+    p = build_plan(model, captured, ann, ruleset, args, kwargs)
+    if batch is not None or dp > 1 or fsdp or recompute or gpu_memory is not None:
+        p.memory.training = estimate(
+            p, model, captured, ann, args, kwargs, dtype=dtype, dp=dp, fsdp=fsdp,
+            sequence_parallel=sequence_parallel, recompute=recompute, optimizer=optimizer,
+            gpu_memory=gpu_memory)
+    return p
+
+
+def token_batch(model: nn.Module, batch: int, seq: int) -> tuple:
+    """(ids,) of shape batch x seq, or (ids, targets) when the forward's second
+    parameter is ``targets`` or ``labels``."""
+    vocab = max(e.num_embeddings for e in model.modules() if isinstance(e, nn.Embedding))
+    device = next(model.parameters()).device
+    ids = torch.randint(0, vocab, (batch, seq), device=device)
+    names = list(inspect.signature(model.forward).parameters)
+    return (ids, ids.clone()) if names[1:2] in (["targets"], ["labels"]) else (ids,)
 
 
 def _capture_stamped(model: nn.Module, args, kwargs) -> Captured:

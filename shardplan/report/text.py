@@ -26,6 +26,8 @@ def render_text(plan, width: int = 100) -> str:
     ratio = m.param_bytes_per_rank / max(m.param_bytes_unsharded, 1)
     lines.append(f"\nparameters per rank: {human(m.param_bytes_per_rank)} of "
                  f"{human(m.param_bytes_unsharded)} unsharded ({ratio:.1%})")
+    if m.training is not None:
+        lines += _training_memory(m.training)
     lines.append("\ncommunication per training step (example inputs):")
     groups = Counter()
     nbytes = Counter()
@@ -44,6 +46,22 @@ def render_text(plan, width: int = 100) -> str:
         for name, lay, gshape, lshape in rows:
             lines.append(_clip(f"    {name:40} {lay:14} {str(gshape):>18} -> {str(lshape)}", width))
     return "\n".join(lines)
+
+
+def _training_memory(t) -> list[str]:
+    """The per-rank memory table of a training step, and whether it fits."""
+    setup = [f"dp={t.dp}" + (" FSDP" if t.fsdp else ""), t.dtype, t.optimizer or "no optimizer"]
+    setup += [w for w, on in (("sequence parallel", t.sequence_parallel),
+                              ("recompute", t.recompute)) if on]
+    lines = [f"\ntraining memory per rank ({', '.join(setup)}):"]
+    lines += [f"  {name:22} {human(n):>11}" for name, n in t.rows() if n or name != "FSDP gathered block"]
+    lines.append(f"    of which {t.blocks} blocks x {human(t.activations_per_block)} + "
+                 f"{human(t.activations_outside_blocks)} outside them")
+    lines.append(f"  {'peak (sum)':22} {human(t.peak):>11}")
+    if t.fits is not None:
+        verdict = "FITS" if t.fits else "DOES NOT FIT"
+        lines.append(f"  {verdict} in {human(t.gpu_memory)} ({t.peak / t.gpu_memory:.0%} used)")
+    return lines
 
 
 def _collapse(params):

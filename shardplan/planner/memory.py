@@ -1,0 +1,285 @@
+"""memory: will a training step fit? Per-rank bytes before the first GPU-hour.
+
+``estimate`` adds up, per rank, for a plan at tp (x dp data parallelism):
+
+- parameters: the plan's local shapes at ``dtype``;
+- gradients: the same shapes and dtype as the parameters;
+- optimizer state: AdamW keeps two fp32 moments per parameter, plus an fp32
+  master copy when ``dtype`` is 16-bit (mixed precision); SGD keeps none;
+- FSDP (``fsdp=True``) divides these three by dp and adds a transient: one
+  block's parameters gathered over dp and its unsharded gradients before
+  their reduce-scatter. Plain dp replicates them;
+- activations: what autograd saves for backward in the graph this rank runs.
+  The rank's rewritten graph runs once on fake tensors (shapes only, no
+  memory) under ``saved_tensors_hooks``; every saved storage is counted once,
+  parameters and buffers left out, and charged to the block whose node saved
+  it. So sharding by tp, by the sequence (``sequence_parallel``), and what
+  each op really keeps (the fused attention's log-sum-exp, not s x s
+  probabilities) come from the captured graph, not from a formula. With
+  ``recompute`` a block keeps only its inputs. Blocks planned once (block 1
+  of a truncated list) are counted once per real block.
+
+The peak is their sum, a deliberate upper bound: gradients and activations
+are both alive at the start of backward only for the last blocks, and the
+allocator's fragmentation and the collectives' buffers are not modelled.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from pydantic import BaseModel
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from . import blocks
+from .annotate import Annotation
+from .capture import Captured, module_of
+from .recompute import block_names
+from .rewrite import bind, rewrite
+from .shards import local_shape
+from ..errors import ConfigurationError
+from ..layouts import Replicate
+from ..runtime.comm import Group
+
+#: optimizer state bytes per parameter, besides an fp32 master copy under mixed precision
+OPTIMIZER_BYTES = {"adamw": 8, "sgd": 0}
+
+
+class MemoryEstimate(BaseModel):
+    """Per-rank bytes of one training step (see ``shardplan.planner.memory``)."""
+
+    dtype: str
+    optimizer: str | None
+    dp: int
+    fsdp: bool
+    sequence_parallel: bool
+    recompute: bool
+    params: int
+    grads: int
+    optimizer_state: int
+    fsdp_transient: int
+    activations: int
+    activations_per_block: int
+    activations_outside_blocks: int
+    blocks: int
+    peak: int
+    gpu_memory: int | None = None
+    fits: bool | None = None
+
+    def rows(self) -> list[tuple[str, int]]:
+        return [("parameters", self.params), ("gradients", self.grads),
+                ("optimizer state", self.optimizer_state),
+                ("FSDP gathered block", self.fsdp_transient),
+                ("activations", self.activations)]
+
+
+def estimate(plan, model: nn.Module, captured: Captured, ann: Annotation, args, kwargs, *,
+             dtype: torch.dtype | None, dp: int, fsdp: bool, sequence_parallel: bool,
+             recompute: bool, optimizer: str | None, gpu_memory: int | None) -> MemoryEstimate:
+    """The per-rank memory of training ``plan``'s model (see the module docstring)."""
+    if optimizer is not None and optimizer not in OPTIMIZER_BYTES:
+        raise ConfigurationError(f"optimizer={optimizer!r} is not one shardplan estimates",
+                                 fix=f"pass one of {sorted(OPTIMIZER_BYTES)} or None")
+    dtype = dtype or next(model.parameters()).dtype
+    params, grads, state, transient = state_bytes(plan, dtype, dp=dp, fsdp=fsdp,
+                                                  optimizer=optimizer)
+    outside, per_block, n_blocks = saved_activations(model, captured, ann, args, kwargs,
+                                                     recompute=recompute, dtype=dtype)
+    activations = outside + sum(per_block)
+    peak = params + grads + state + transient + activations
+    return MemoryEstimate(
+        dtype=str(dtype).replace("torch.", ""), optimizer=optimizer, dp=dp, fsdp=fsdp,
+        sequence_parallel=sequence_parallel, recompute=recompute, params=params,
+        grads=grads, optimizer_state=state, fsdp_transient=transient,
+        activations=activations, activations_per_block=max(per_block, default=0),
+        activations_outside_blocks=outside, blocks=n_blocks, peak=peak, gpu_memory=gpu_memory,
+        fits=None if gpu_memory is None else peak <= gpu_memory)
+
+
+def state_bytes(plan, dtype: torch.dtype, *, dp: int, fsdp: bool,
+                optimizer: str | None) -> tuple[int, int, int, int]:
+    """Per-rank (parameters, gradients, optimizer state, FSDP transient) bytes."""
+    size = torch.empty((), dtype=dtype).element_size()
+    shard = dp if fsdp else 1
+    numel = sum(math.prod(p.local_shape) for p in plan.params)
+    per_param = OPTIMIZER_BYTES[optimizer] + (4 if size < 4 else 0) if optimizer else 0
+    transient = 2 * _largest_block(plan) * size * (dp - 1) // dp if fsdp else 0
+    return (math.ceil(numel * size / shard), math.ceil(numel * size / shard),
+            math.ceil(numel * per_param / shard), transient)
+
+
+def _largest_block(plan) -> int:
+    """Elements per rank of the largest block (an element of a list of blocks)."""
+    per: dict = {}
+    for p in plan.params:
+        first = blocks.split_first(p.name)
+        if first is not None:
+            per[first[:2]] = per.get(first[:2], 0) + math.prod(p.local_shape)
+    return max(per.values(), default=0)
+
+
+class _ShapeGroup(Group):
+    """Rank 0 of ``size`` ranks whose collectives return tensors of the right shape."""
+
+    def __init__(self, size: int):
+        self.rank, self.size = 0, size
+
+    def _all_reduce(self, t, op):
+        return t.clone()
+
+    def _all_gather(self, t, dim):
+        return torch.cat([t] * self.size, dim)
+
+    def _reduce_scatter(self, t, dim):
+        return t.chunk(self.size, dim)[0].clone()
+
+    def _broadcast(self, t, src):
+        return t.clone()
+
+    def _barrier(self):
+        pass
+
+
+def saved_activations(model: nn.Module, captured: Captured, ann: Annotation, args, kwargs, *,
+                      recompute: bool, dtype: torch.dtype) -> tuple[int, list[int], int]:
+    """(bytes outside the blocks, [bytes of each real block], blocks) rank 0 keeps for
+    backward. The graph runs at the model's dtypes; floating tensors count at ``dtype``
+    (ops that keep fp32 statistics under 16-bit autocast are not modelled)."""
+    gm = rewrite(ann, _ShapeGroup(ann.tp), gather_output=False, device=torch.device("cpu"))
+    names = _blocks(model, recompute)
+    labels = _labels(gm, names)
+    with FakeTensorMode(allow_non_fake_inputs=False):
+        tensors = _fake_locals(model, captured, ann)
+        bind(gm, tensors)
+        model_state = {t.untyped_storage()._cdata for t in tensors.values()}
+        fake_args = [_fake_like(a) for a in args]
+        fake_kwargs = {k: _fake_like(v) for k, v in kwargs.items()}
+        counter = _Saved(gm, labels, model_state, dtype, set(names) if recompute else set())
+        flat = gm.graph._codegen.process_inputs(*fake_args, **fake_kwargs)
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+            counter.run(*flat)
+    by_block = counter.bytes
+    outside = by_block.pop(None, 0)
+    stamped = []
+    for name in names:
+        if name in by_block or not _is_truncated(name, captured):
+            stamped.append(by_block.get(name, 0))
+        else:  # a block planned by its captured stand-in (block 1)
+            stamped.append(by_block.get(_stand_in(name, captured), 0))
+    return outside, stamped, len(names)
+
+
+def _blocks(model: nn.Module, recompute: bool) -> list[str]:
+    """The FQNs of the blocks (every element of every ``nn.ModuleList``)."""
+    has_list = any(isinstance(m, nn.ModuleList) for m in model.modules())
+    return block_names(model, True) if has_list or recompute else []
+
+
+def _is_truncated(name: str, captured: Captured) -> bool:
+    return any(blocks.index_in(name, path) is not None for path in captured.truncated)
+
+
+def _stand_in(name: str, captured: Captured) -> str:
+    for path in captured.truncated:
+        if blocks.index_in(name, path) is not None:
+            return blocks.with_index(name, path, 1)
+    return name
+
+
+def _labels(gm: fx.GraphModule, names: list[str]) -> dict[fx.Node, str | None]:
+    """Node -> the block it belongs to, as ``outline_blocks`` cuts them: by the module
+    that produced it; nodes the rewriter inserted go with the node before them."""
+    wanted, label, out = set(names), None, {}
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "get_attr", "output"):
+            out[node] = None
+            continue
+        if "nn_module_stack" in node.meta:
+            parts = module_of(node).split(".")
+            label = next((".".join(parts[:i]) for i in range(1, len(parts) + 1)
+                          if ".".join(parts[:i]) in wanted), None)
+        out[node] = label
+    return out
+
+
+def _fake_locals(model: nn.Module, captured: Captured, ann: Annotation) -> dict[str, torch.Tensor]:
+    """FQN -> a fake tensor of rank 0's local shape (one object per tied group)."""
+    layouts = {captured.aliases.get(k, k): v for k, v in ann.params.items()}
+    made: dict = {}
+    out = {}
+    for fqn, canon in captured.aliases.items():
+        if canon not in made:
+            owner, _, leaf = canon.rpartition(".")
+            full = getattr(model.get_submodule(owner) if owner else model, leaf)
+            shape = local_shape(tuple(full.shape), layouts.get(canon, Replicate()), ann.tp)
+            t = torch.empty(shape, dtype=full.dtype)
+            made[canon] = nn.Parameter(t) if isinstance(full, nn.Parameter) else t
+        out[fqn] = made[canon]
+    return out
+
+
+def _fake_like(x):
+    return torch.zeros(x.shape, dtype=x.dtype) if isinstance(x, torch.Tensor) else x
+
+
+class _Saved(fx.Interpreter):
+    """Runs the graph, charging each storage autograd saves to the running node's block."""
+
+    def __init__(self, gm, labels, model_state: set, dtype, recomputed: set):
+        super().__init__(gm)
+        self.labels, self.model_state, self.recomputed = labels, model_state, recomputed
+        self.size = torch.empty((), dtype=dtype).element_size()
+        self.seen: set = set()
+        self.bytes: dict = {}
+        self.label = None
+
+    def run_node(self, n: fx.Node):
+        self.label = self.labels[n]
+        if self.label in self.recomputed:
+            self._keep_inputs(n)
+        return super().run_node(n)
+
+    def _keep_inputs(self, n: fx.Node) -> None:
+        for a in n.all_input_nodes:
+            if self.labels[a] != self.label:
+                for t in _tensors(self.env[a]):
+                    self._count(t)
+
+    def pack(self, t):
+        if self.label not in self.recomputed:  # a recomputed block keeps only its inputs
+            self._count(t)
+        return t
+
+    def _count(self, t: torch.Tensor) -> None:
+        s = t.untyped_storage()
+        key = s._cdata
+        if key in self.seen or key in self.model_state:
+            return
+        self.seen.add(key)
+        n = s.nbytes()
+        if t.is_floating_point():
+            n = n // t.element_size() * self.size
+        self.bytes[self.label] = self.bytes.get(self.label, 0) + n
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def parse_bytes(text: str) -> int:
+    """``"80GB"``, ``"80 GiB"``, ``"141e9"`` -> bytes (GB = 10^9, GiB = 2^30)."""
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]i?B?|B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise ValueError(f"not a memory size: {text!r} (e.g. 80GB, 141GiB)")
+    unit = (m.group(2) or "B").upper().rstrip("B") or "B"
+    scale = {"B": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
+             "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}[unit]
+    return int(float(m.group(1)) * scale)
