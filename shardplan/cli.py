@@ -86,6 +86,7 @@ def _tp(text: str) -> int:
     return tp
 
 
+_RULES_HELP = "the rule set: a bundled name or a .toml rule file (default: megatron)"
 _SP_HELP = ("hold the activations between the parallel regions on 1/tp of the sequence "
             "(reduce-scatter/all-gather instead of all-reduce)")
 
@@ -93,7 +94,7 @@ _SP_HELP = ("hold the activations between the parallel regions on 1/tp of the se
 def _cmd_plan(args) -> int:
     from .planner.plan import plan
     p = plan(build_target(args.target, meta=True), args.tp, strict=args.strict,
-             sequence_parallel=args.sequence_parallel)
+             sequence_parallel=args.sequence_parallel, rules=args.rules)
     print(p.report())
     for path, text in ((args.json, p.to_json), (args.html, p.to_html)):
         if path:
@@ -119,7 +120,7 @@ def _cmd_diff(args) -> int:
 def _cmd_verify(args) -> int:
     from .verify import verify
     report = verify(build_target(args.target, meta=False), args.tp,
-                    sequence_parallel=args.sequence_parallel)
+                    sequence_parallel=args.sequence_parallel, rules=args.rules)
     print(report)
     return 0 if report.ok else 1
 
@@ -156,6 +157,7 @@ def parser() -> argparse.ArgumentParser:
                    help="fail (LayoutError) where the rules cannot place an op, "
                         "instead of keeping that region replicated")
     p.add_argument("--sequence-parallel", action="store_true", help=_SP_HELP)
+    p.add_argument("--rules", default="megatron", metavar="RULES", help=_RULES_HELP)
     p.set_defaults(run=_cmd_plan)
 
     v = sub.add_parser("verify",
@@ -163,6 +165,7 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("target", metavar="TARGET")
     v.add_argument("--tp", type=_tp, required=True, help="tensor-parallel size")
     v.add_argument("--sequence-parallel", action="store_true", help=_SP_HELP)
+    v.add_argument("--rules", default="megatron", metavar="RULES", help=_RULES_HELP)
     v.set_defaults(run=_cmd_verify)
 
     d = sub.add_parser("diff", help="what changed between two plans (JSON from plan --json)")
