@@ -86,6 +86,7 @@ def _tp(text: str) -> int:
     return tp
 
 
+_RULES_HELP = "the rule set: a bundled name or a .toml rule file (default: megatron)"
 _SP_HELP = ("hold the activations between the parallel regions on 1/tp of the sequence "
             "(reduce-scatter/all-gather instead of all-reduce)")
 
@@ -98,7 +99,8 @@ def _cmd_plan(args) -> int:
              sequence_parallel=args.sequence_parallel, batch=args.batch, seq=args.seq,
              dp=args.dp, fsdp=args.fsdp, recompute=args.recompute, dtype=dtype,
              optimizer=None if args.optimizer == "none" else args.optimizer,
-             gpu_memory=parse_bytes(args.gpu_memory) if args.gpu_memory else None)
+             gpu_memory=parse_bytes(args.gpu_memory) if args.gpu_memory else None,
+             rules=args.rules)
     print(p.report())
     for path, text in ((args.json, p.to_json), (args.html, p.to_html)):
         if path:
@@ -124,7 +126,7 @@ def _cmd_diff(args) -> int:
 def _cmd_verify(args) -> int:
     from .verify import verify
     report = verify(build_target(args.target, meta=False), args.tp,
-                    sequence_parallel=args.sequence_parallel)
+                    sequence_parallel=args.sequence_parallel, rules=args.rules)
     print(report)
     return 0 if report.ok else 1
 
@@ -161,6 +163,7 @@ def parser() -> argparse.ArgumentParser:
                    help="fail (LayoutError) where the rules cannot place an op, "
                         "instead of keeping that region replicated")
     p.add_argument("--sequence-parallel", action="store_true", help=_SP_HELP)
+    p.add_argument("--rules", default="megatron", metavar="RULES", help=_RULES_HELP)
     m = p.add_argument_group("training memory (estimated when --batch and --seq are given)")
     m.add_argument("--batch", type=_tp, help="sequences per rank per step")
     m.add_argument("--seq", type=_tp, help="sequence length")
@@ -179,6 +182,7 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("target", metavar="TARGET")
     v.add_argument("--tp", type=_tp, required=True, help="tensor-parallel size")
     v.add_argument("--sequence-parallel", action="store_true", help=_SP_HELP)
+    v.add_argument("--rules", default="megatron", metavar="RULES", help=_RULES_HELP)
     v.set_defaults(run=_cmd_verify)
 
     d = sub.add_parser("diff", help="what changed between two plans (JSON from plan --json)")

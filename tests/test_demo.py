@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import sys
 import pytest
 
 import shardplan
+from shardplan.models import build
 from shardplan.train import demo, plot
 
 
@@ -74,6 +76,46 @@ def test_tolerance_is_tight_first_and_allows_amplified_rounding_later():
     assert not demo.within_tolerance(50, float("nan"), 2.5)
 
 
+# The demo's tiny GPT, written out here rather than taken from the demo, and the layouts
+# Megatron-LM gives its parameters, by name: a vocab-parallel embedding (tied to the head),
+# column-parallel QKV (split per Q/K/V block) and MLP up-projection, row-parallel output
+# projections (bias replicated, added after the all-reduce), everything else replicated.
+DEMO_GPT = dict(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64)
+MEGATRON = [(r"transformer\.wte\.weight", "S(0)"),
+            (r"transformer\.h\.\d+\.attn\.c_attn\.(weight|bias)", "S(0|64+64+64)"),
+            (r"transformer\.h\.\d+\.mlp\.c_fc\.(weight|bias)", "S(0)"),
+            (r"transformer\.h\.\d+\.(attn|mlp)\.c_proj\.weight", "S(1)"),
+            (r".*", "R")]
+
+
+def assert_megatron_plan(plan, tp: int = 2):
+    """``plan`` (as the demo wrote it) against the model built here and Megatron's layouts:
+    every parameter, its layout, and the per-rank memory those layouts imply."""
+    model = build("gpt-tiny", device="meta", **DEMO_GPT)
+    params = dict(model.named_parameters())  # tied weights once
+    assert plan.tp == tp and sorted(p.name for p in plan.params) == sorted(params)
+    want_bytes = 0
+    for p in plan.params:
+        layout = next(l for pattern, l in MEGATRON if re.fullmatch(pattern, p.name))
+        assert p.layout == layout, (p.name, p.layout, layout)
+        assert tuple(p.global_shape) == tuple(params[p.name].shape), p.name
+        n = params[p.name].numel() * 4  # float32
+        want_bytes += n if layout == "R" else n // tp
+    assert plan.memory.param_bytes_per_rank == want_bytes
+    assert plan.memory.param_bytes_unsharded == 4 * sum(p.numel() for p in params.values())
+
+
+def test_megatron_reference_rejects_a_wrong_plan():
+    """The reference above can fail: a plan with the MLP's row split put on the columns."""
+    plan = shardplan.plan(build("gpt-tiny", **DEMO_GPT), 2)
+    assert_megatron_plan(plan)  # the library's own plan of the same model agrees
+    wrong = plan.model_copy(deep=True)
+    row = next(p for p in wrong.params if p.name.endswith("mlp.c_proj.weight"))
+    row.layout = "S(0)"
+    with pytest.raises(AssertionError, match="mlp.c_proj.weight"):
+        assert_megatron_plan(wrong)
+
+
 def _run_demo(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, str]:
     out = str(tmp_path / "demo-out")
     proc = subprocess.run([sys.executable, "-m", "shardplan.cli", "demo", *args, "--out", out],
@@ -100,7 +142,7 @@ def test_demo_end_to_end(tmp_path):
     assert (w, h) == (summary["plot"]["width"], summary["plot"]["height"])
     with open(os.path.join(out, "plan.json")) as f:
         plan = shardplan.Plan.from_json(f.read())
-    assert plan.tp == 2 and plan.memory.param_bytes_per_rank < plan.memory.param_bytes_unsharded
+    assert_megatron_plan(plan)
     assert summary["plan"]["collectives_per_step"] == len(plan.collectives)
     assert "match" in open(os.path.join(out, "summary.md")).read()
 

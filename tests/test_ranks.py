@@ -133,6 +133,15 @@ def _skip_collective_on_rank1(ctx):
     return ctx.group.all_reduce(torch.ones(2))
 
 
+def _skip_collective_on_rank1_slow_report(ctx):
+    """As above, but rank 0 takes 2 s more to report its timeout, as on a loaded machine."""
+    try:
+        return _skip_collective_on_rank1(ctx)
+    except CommunicationError:
+        time.sleep(2.0)
+        raise
+
+
 def _exit_on_rank1(ctx):
     if ctx.rank == 1:
         os._exit(3)
@@ -280,6 +289,21 @@ def test_rank_skips_collective(kind):
         assert timeout * 0.5 <= elapsed < 45, elapsed
         absent = "rank 1 never arrived" if kind == "simulated" else "rank 1 had returned from fn"
         assert absent in _message(info.value)
+
+
+@pytest.mark.real
+@pytest.mark.timeout(60)
+def test_collective_timeout_reports_first_when_the_report_is_slow():
+    """Rank 1 answers at once; rank 0's collective times out after 5 s and its error takes
+    2 s more to come back. The pool, whose wait restarted at rank 1's answer, must still
+    be waiting: the collective's timeout is what gets reported, not 'did not answer'."""
+    with RealRanks(2, timeout=5.0) as ranks:
+        ranks.start()
+        with pytest.raises(CommunicationError, match="all_reduce at .*test_ranks.py:[0-9]+ "
+                                                     "timed out after 5s") as info:
+            ranks.run(_skip_collective_on_rank1_slow_report)
+        assert "did not answer" not in _message(info.value)
+        assert "rank 1 had returned from fn" in _message(info.value)
 
 
 def test_ranks_disagree_on_shape(kind, monkeypatch):

@@ -17,7 +17,8 @@ pickles) and the rank's traceback appended; of several, a rank's own error
 wins over the collective failures it caused in its peers. A collective
 timeout names the collective's site, and a note names the ranks that had
 returned without joining it. If a rank does not answer within ``timeout``
-(plus a short grace, so gloo's own timeout can report first), dies, or
+(plus a short grace, so gloo's own timeout can report first; once a peer
+has answered, plus several seconds of ``report_slack``), dies, or
 reports a ``CommunicationError``, or a rank fails while its peers stay
 stuck, the pool is killed and ``run()`` raises; the next ``run()`` spawns a
 fresh pool. After ``close()``, ``run()`` raises ``ConfigurationError``.
@@ -158,9 +159,11 @@ class RealRanks(Ranks):
         """One reply per rank: (results by rank, errors by rank).
 
         Fails fast when a worker dies; once a rank has failed, waits only a
-        short grace for the others. Each answer restarts the wait for the rest:
-        they may be in a collective the answered rank skipped, which their own
-        timeout reports by name. Missing ranks are reported as errors.
+        short grace for the others. Each answer restarts the wait for the rest,
+        with ``report_slack`` on top: they may be in a collective the answered rank
+        skipped, which their own timeout reports by name, and on a loaded machine
+        raising, formatting and sending that error takes a while; the pool must
+        not give up first. Missing ranks are reported as errors.
         """
         start = time.monotonic()
         deadline = start + timeout
@@ -184,7 +187,8 @@ class RealRanks(Ranks):
                     del pending[r]
                     if ok:
                         replies[r] = payload
-                        deadline = max(deadline, time.monotonic() + timeout)
+                        deadline = max(deadline, time.monotonic() + timeout
+                                       + report_slack(self.timeout))
                     else:
                         errors[r] = payload if isinstance(payload, BaseException) \
                             else _rebuild(r, *payload)
@@ -264,6 +268,13 @@ def _all_arrived(store, n: int, limit: float) -> None:
             raise TimeoutError(f"only {store.add('arrived', 0)} of {n} workers started "
                                f"within {limit}s")
         time.sleep(0.01)
+
+
+def report_slack(timeout: float) -> float:
+    """How long past a collective's timeout the pool waits, after a rank has answered,
+    for the ranks still out: enough for a stuck rank's own timeout error to reach it
+    first on a busy machine (seconds, not ``grace``'s fraction of one)."""
+    return max(grace(timeout), min(timeout, 10.0))
 
 
 def _worker(rank: int, n: int, port: int, timeout: float, startup: float, conn) -> None:

@@ -42,7 +42,7 @@ class Group:
     def all_reduce(self, t: torch.Tensor, op: str = "sum", *,
                    direction: str = "none", site: str | None = None) -> torch.Tensor:
         """Elementwise reduction (``sum`` or ``max``) over the group; returns a new tensor."""
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_dynamo_compiling():
             return t.clone() if self.size == 1 else self._traced_all_reduce(t, op)
         self._log("all_reduce", t.numel(), t.element_size(), direction, site, op)
         if self.size == 1:
@@ -52,7 +52,7 @@ class Group:
     def all_gather(self, t: torch.Tensor, dim: int, *,
                    direction: str = "none", site: str | None = None) -> torch.Tensor:
         """Concatenate every rank's ``t`` along ``dim`` (rank order)."""
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_dynamo_compiling():
             return t.clone() if self.size == 1 else self._traced_all_gather(t, dim % t.dim())
         self._log("all_gather", t.numel() * self.size, t.element_size(), direction, site)
         if self.size == 1:
@@ -63,7 +63,7 @@ class Group:
                        direction: str = "none", site: str | None = None) -> torch.Tensor:
         """Sum over the group, then keep this rank's slice of ``dim``."""
         dim = dim % t.dim()
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_dynamo_compiling():
             return t.clone() if self.size == 1 else self._traced_reduce_scatter(t, dim)
         self._log("reduce_scatter", t.numel(), t.element_size(), direction, site)
         if t.shape[dim] % self.size:

@@ -137,7 +137,7 @@ class GatherShard(nn.Module):
         self.group, self.layout, self.full, self.site = group, layout, full, site
 
     def forward(self, x):
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_dynamo_compiling():
             traced(x, "all_gather", self.group.size, self.group.size, "forward", self.site)
         return _GatherShard.apply(x, self.group, self.layout, self.full, self.site)
 
@@ -180,7 +180,7 @@ class SumOverReplicas(nn.Module):
         self.group, self.dim, self.replicas, self.site = group, dim, replicas, site
 
     def forward(self, w):
-        if torch.compiler.is_compiling() and w.requires_grad and torch.is_grad_enabled():
+        if torch.compiler.is_dynamo_compiling() and w.requires_grad and torch.is_grad_enabled():
             traced(w, "all_reduce", self.group.size, self.group.size // self.replicas,
                    "backward", self.site)
         return _SumOverReplicas.apply(w, self.group, self.dim, self.replicas, self.site)

@@ -245,7 +245,7 @@ def check_ids(ids: torch.Tensor, num: int, who: str, ignore_index: int | None = 
     one reduction and one host sync; skipped on meta and fake tensors (they
     have no values) and while compiling or exporting.
     """
-    if torch.compiler.is_compiling() or ids.is_meta or is_fake(ids) or ids.numel() == 0:
+    if torch.compiler.is_dynamo_compiling() or ids.is_meta or is_fake(ids) or ids.numel() == 0:
         return
     bad = (ids < 0) | (ids >= num)
     if ignore_index is not None:

@@ -55,7 +55,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             picked, summed = all_reduce(torch.stack([picked, summed])).unbind(0)
         else:
             picked = all_reduce(picked)
-        eager = not torch.compiler.is_compiling()  # a traced graph may not mutate saved tensors
+        eager = not torch.compiler.is_dynamo_compiling()  # a traced graph may not mutate saved tensors
         probs = shifted.exp_() if eager else shifted.exp()
         sumexp = all_reduce(probs.sum(-1))
         probs = probs.div_(sumexp.unsqueeze(-1)) if eager else probs / sumexp.unsqueeze(-1)
@@ -123,7 +123,7 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tenso
     if not 0.0 <= label_smoothing <= 1.0:
         raise ConfigurationError(f"label_smoothing={label_smoothing} is outside [0, 1]")
     check_ids(target, vocab_size, "vocab_parallel_cross_entropy target", ignore_index)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         site = site or "compiled"
         # max, target logit (stacked with the logit sum when smoothing), sum of exps: fp32
         ledger.traced(target, "all_reduce", group.size, 1, "forward", site, "max", 4)

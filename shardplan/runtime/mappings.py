@@ -118,7 +118,7 @@ def _apply(fn, x: torch.Tensor, group, site: str | None, records, *args) -> torc
     """``fn.apply(x, group, *args, site)``; compiled, first records ``fn``'s collectives:
     ``(kind, direction, x is one rank's part)`` each."""
     group = as_group(group)
-    if not torch.compiler.is_compiling():
+    if not torch.compiler.is_dynamo_compiling():
         return fn.apply(x, group, *args, _site(site))
     site = site or "compiled"  # no frame walk in a traced graph
     for kind, direction, per_rank in records:

@@ -1,0 +1,195 @@
+"""The ``shardplan`` commands end to end, each in a subprocess with a timeout: verify's
+exit status on a wrong rule set and a right one, plan --strict on an op with no rule,
+the installed console script, and ``torchrun -m shardplan.train --resume``."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+RULES = Path(__file__).resolve().parent.parent / "shardplan" / "rules" / "megatron.toml"
+
+# Embedding -> column-parallel up -> an op on the split hidden dim -> row-parallel down.
+MODELS = textwrap.dedent("""
+    import torch
+    from torch import nn
+
+    class Tiny(nn.Module):
+        def __init__(self, op):
+            super().__init__()
+            self.op = op
+            self.emb = nn.Embedding(64, 32)
+            self.up = nn.Linear(32, 128)
+            self.down = nn.Linear(128, 32)
+
+        def forward(self, idx):
+            h = self.up(self.emb(idx))
+            if self.op == "softmax":
+                h = h.softmax(-1)       # a reduction across the split hidden dim
+            else:
+                h = h.sort(-1).values   # the megatron rules have no rule for sort
+            return self.down(h)
+
+    def softmax_mlp():
+        torch.manual_seed(0)
+        return Tiny("softmax")
+
+    def sort_mlp():
+        torch.manual_seed(0)
+        return Tiny("sort")
+""")
+
+
+def _env(pythonpath: str | None = None) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [pythonpath, env.get("PYTHONPATH")]))
+    return env
+
+
+def shardplan_cmd() -> list[str]:
+    """The installed console script (beside sys.executable, as ``pip install -e .`` puts it).
+    CI must have it; locally, without it, ``python -m shardplan.cli`` with a note."""
+    script = Path(sys.executable).with_name("shardplan")
+    if script.is_file():
+        return [str(script)]
+    if os.environ.get("CI"):
+        pytest.fail(f"the shardplan console script is not installed at {script} "
+                    "(CI installs with pip install -e '.[test,hf,demo]')")
+    print(f"note: no console script at {script}; using {sys.executable} -m shardplan.cli")
+    return [sys.executable, "-m", "shardplan.cli"]
+
+
+def run(*argv: str, pythonpath: str | None = None, timeout: float = 120, cwd=None):
+    return subprocess.run([*shardplan_cmd(), *argv], capture_output=True, text=True,
+                          env=_env(pythonpath), timeout=timeout, cwd=cwd)
+
+
+@pytest.fixture
+def user_models(tmp_path):
+    (tmp_path / "e2e_models.py").write_text(MODELS)
+    return str(tmp_path)
+
+
+@pytest.fixture
+def wrong_rules(tmp_path):
+    """The megatron rules with softmax wrongly called elementwise (as in
+    test_planner_rules.py): the softmax then normalises each rank's half of the hidden
+    dim on its own, a silently wrong model."""
+    text = RULES.read_text()
+    right = '"aten.softmax.int" = { dim = "1" }\n'
+    assert right in text and "elementwise = [\n" in text  # the edit below really applies
+    text = text.replace(right, "").replace("elementwise = [\n",
+                                           'elementwise = [\n  "aten.softmax.int",\n')
+    bad = tmp_path / "bad.toml"
+    bad.write_text(text)
+    return str(bad)
+
+
+def test_verify_exits_1_on_a_mismatch_and_0_when_right(user_models, wrong_rules):
+    wrong = run("verify", "e2e_models:softmax_mlp", "--tp", "2", "--rules", wrong_rules,
+                pythonpath=user_models)
+    assert wrong.returncode == 1, wrong.stdout + wrong.stderr
+    assert wrong.stdout.startswith("MISMATCH"), wrong.stdout
+    assert "first divergent node: softmax" in wrong.stdout
+    # the same model and command with the bundled rules: sharded == unsharded
+    right = run("verify", "e2e_models:softmax_mlp", "--tp", "2", pythonpath=user_models)
+    assert right.returncode == 0, right.stdout + right.stderr
+    assert right.stdout.startswith("OK"), right.stdout
+
+
+def test_plan_strict_fails_on_an_op_with_no_rule(user_models):
+    strict = run("plan", "e2e_models:sort_mlp", "--tp", "2", "--strict", pythonpath=user_models)
+    assert strict.returncode == 2, strict.stdout + strict.stderr
+    err = strict.stderr
+    assert "LayoutError" in err and "no rule for aten.sort" in err and "on a sharded input" in err
+    assert "fix:" in err and strict.stdout == ""
+    # without --strict the same model plans (the sort's region stays replicated)
+    lenient = run("plan", "e2e_models:sort_mlp", "--tp", "2", pythonpath=user_models)
+    assert lenient.returncode == 0, lenient.stdout + lenient.stderr
+    # and --strict is no failure on a model the rules cover
+    covered = run("plan", "gpt-tiny", "--tp", "2", "--strict")
+    assert covered.returncode == 0, covered.stdout + covered.stderr
+
+
+def test_console_script_prints_the_plan():
+    r = run("plan", "gpt-tiny", "--tp", "2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.startswith("shardplan plan: GPT at tp=2"), r.stdout[:500]
+    # Megatron's layouts, named by parameter: vocab-parallel embedding, fused QKV split by
+    # blocks, output projections by rows (their bias replicated), norms replicated
+    rows = {}
+    for line in r.stdout.splitlines():
+        parts = line.split()
+        if len(parts) >= 2 and re.fullmatch(r"[\w.]+\.(weight|bias)", parts[0]):
+            rows[parts[0]] = parts[1]
+    assert rows == {**{f"transformer.{n}": l for n, l in (
+        ("wte.weight", "S(0)"), ("wpe.weight", "R"), ("ln_f.weight", "R"), ("ln_f.bias", "R"))},
+        "ln_1.weight": "R", "ln_1.bias": "R", "ln_2.weight": "R", "ln_2.bias": "R",
+        "attn.c_attn.weight": "S(0|32+32+32)", "attn.c_attn.bias": "S(0|32+32+32)",
+        "attn.c_proj.weight": "S(1)", "attn.c_proj.bias": "R",
+        "mlp.c_fc.weight": "S(0)", "mlp.c_fc.bias": "S(0)",
+        "mlp.c_proj.weight": "S(1)", "mlp.c_proj.bias": "R"}, r.stdout
+
+
+# -- torchrun -m shardplan.train --resume --------------------------------------------------
+
+STEP = re.compile(r"^step\s+(\d+)/(\d+) \| loss (\S+) \| lr (\S+) \| grad norm (\S+) \|")
+
+
+def _torchrun(tmp_path, *extra: str) -> dict[int, tuple[str, str, str]]:
+    text = tmp_path / "text.txt"
+    if not text.exists():
+        text.write_bytes(b"the quick brown fox jumps over the lazy dog. " * 20)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "shardplan.train", "--tp", "2", "--model", "gpt-tiny", "--steps", "4",
+           "--batch-size", "2", "--seq-len", "8", "--warmup", "1", "--lr", "1e-2",
+           "--dropout", "0.1", "--data", str(text), "--log-every", "1", "--device", "cpu",
+           *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=_env())
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    steps = {}
+    for line in proc.stdout.splitlines():
+        m = STEP.match(line)
+        if m:
+            steps[int(m[1])] = (m[3], m[4], m[5])  # loss, lr, grad norm as printed
+    return steps, proc.stdout
+
+
+def _weights(step_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a sharded checkpoint (rank*.safetensors: model and optimizer state)."""
+    from safetensors.torch import load_file
+    files = sorted(step_dir.glob("rank*.safetensors"))
+    assert len(files) == 2, sorted(p.name for p in step_dir.iterdir())  # one file per tp rank
+    return {f"{f.name}:{k}": v for f in files for k, v in load_file(str(f)).items()}
+
+
+@pytest.mark.real
+@pytest.mark.timeout(300)
+def test_torchrun_resume_continues_the_uninterrupted_run(tmp_path):
+    """A 4-step run saving at step 2, then a run resumed from that step-2 checkpoint:
+    steps 3 and 4 print the same loss, lr and grad norm, and both write the same step-4
+    weights and optimizer state. Dropout is on and the lr is high, so a resume that lost
+    the RNG streams, the data position or the optimizer moments would show."""
+    full_dir, resumed_dir = tmp_path / "full", tmp_path / "resumed"
+    full, _ = _torchrun(tmp_path, "--save", str(full_dir), "--save-every", "2")
+    assert sorted(full) == [1, 2, 3, 4]
+    ck = full_dir / "step-00000002"
+    assert ck.is_dir(), sorted(p.name for p in full_dir.iterdir())
+    resumed, out = _torchrun(tmp_path, "--resume", str(ck), "--save", str(resumed_dir))
+    assert f"resumed {ck} at step 2" in out, out
+    assert sorted(resumed) == [3, 4], out
+    assert resumed[3] == full[3] and resumed[4] == full[4], (full, resumed)
+    # the printed losses move from step to step (the comparison above is not of constants)
+    assert full[3][0] != full[4][0]
+    want, got = _weights(full_dir / "step-00000004"), _weights(resumed_dir / "step-00000004")
+    assert want and sorted(want) == sorted(got)
+    for k in want:
+        assert torch.equal(want[k], got[k]), k
