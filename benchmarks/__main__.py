@@ -31,6 +31,10 @@ BENCHMARKS = {
                ["--quick"]),
     "recompute": ("activation memory per rank and forward+backward time with and without "
                   "recompute=True, tp 1 and 2", ["--quick"]),
+    "memory_estimate": ("the training-memory estimate for Llama-70B/405B at the layouts people "
+                        "use", []),
+    "coverage": ("every Hugging Face text family, tiny, planned and verified at tp 2 and 4 "
+                 "(docs/coverage.md)", ["--quick"]),
     "gpu": ("tp=1 overhead and the 8.3B layer's tp=8 shard on one CUDA GPU (skips without)",
             ["--quick"]),
 }
