@@ -114,6 +114,12 @@ def returns_one_tensor(op) -> bool:
     return len(rets) == 1 and isinstance(rets[0].type, torch.TensorType)
 
 
+def tensor_to_tensor(op) -> bool:
+    """Does ``op`` take a tensor first and return one tensor?"""
+    args = op._schema.arguments
+    return returns_one_tensor(op) and bool(args) and isinstance(args[0].type, torch.TensorType)
+
+
 def conflict(node, reason, divisibility=False) -> Outcome:
     return Outcome(None, conflict=Conflict(node, reason, divisibility=divisibility))
 

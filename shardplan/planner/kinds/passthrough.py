@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import torch
 
 from ..graph import args_of, op_name, shape
-from .base import R, Context, Kind, Outcome, conflict, register, returns_one_tensor
+from .base import R, Context, Kind, Outcome, conflict, register, tensor_to_tensor
 
 
 @register
@@ -15,8 +14,7 @@ class IdentityKind(Kind):
     name = "identity"
 
     def reads(self, op) -> bool:
-        args = op._schema.arguments
-        return returns_one_tensor(op) and bool(args) and isinstance(args[0].type, torch.TensorType)
+        return tensor_to_tensor(op)
 
     def rule(self, node, lays, ctx: Context) -> Outcome:
         return Outcome(lays.get((0,), R), rule="identity")

@@ -7,11 +7,10 @@ normalized_shape) or ``"all"``.
 
 from __future__ import annotations
 
-import torch
 
 from ..graph import args_of, op_name, shape
 from ...layouts import Shard
-from .base import R, Context, Kind, Outcome, Conflict, conflict, register, returns_one_tensor, \
+from .base import R, Context, Kind, Outcome, Conflict, conflict, register, tensor_to_tensor, \
     any_sharded, with_dim
 
 
@@ -20,8 +19,7 @@ class ReduceKind(Kind):
     name = "reduce"
 
     def reads(self, op) -> bool:
-        args = op._schema.arguments
-        return returns_one_tensor(op) and bool(args) and isinstance(args[0].type, torch.TensorType)
+        return tensor_to_tensor(op)
 
     def rule(self, node, lays, ctx: Context) -> Outcome:
         lay = lays[(0,)]
