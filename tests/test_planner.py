@@ -49,18 +49,20 @@ def configs(draw):
         cfg.update(n_layers=draw(st.integers(1, 2)), n_heads=heads, n_kv_heads=kv,
                    dim=heads * head_dim, ffn_hidden=tp * draw(st.integers(2, 12)))
     b = draw(st.integers(1, 3))
-    t = draw(st.integers(1, 8))
-    return family, cfg, tp, b, t
+    sp = draw(st.booleans())  # sequence parallel: the length divides by tp, differs from b
+    t = draw(st.sampled_from([m for m in (2, 4, 6, 8) if m % tp == 0 and m != b]) if sp
+             else st.integers(1, 8))
+    return family, cfg, tp, b, t, sp
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(configs())
 def test_sharded_equals_unsharded_simulated(case):
-    family, cfg, tp, b, t = case
+    family, cfg, tp, b, t, sp = case
     model = make_model(family, **cfg)
     idx, tgt = batch(cfg["vocab_size"], b, t)
     captured = capture(model, (idx, tgt))  # once for all ranks: export is the slow part
-    results = SimulatedRanks(tp).run(sharded_step, model, idx, tgt, True, captured)
+    results = SimulatedRanks(tp).run(sharded_step, model, idx, tgt, True, captured, sp)
     assert_equivalent(results, reference(model, idx, tgt))
 
 

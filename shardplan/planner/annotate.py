@@ -423,6 +423,12 @@ def _attended(gm: fx.GraphModule) -> set:
 
 # --------------------------------------------------------------------------- transitions
 
+def _keeps_shard(node: fx.Node, path) -> bool:
+    """Does ``node`` keep only the sequence shard of its gathered input for backward
+    (a linear's input, all-gathered again for the weight's gradient)?"""
+    return op_name(node) == "aten.linear.default" and path == (0,)
+
+
 def _transitions(ann: Annotation) -> list[Transition]:
     """Every layout change of the annotated graph, in graph order of its consumer.
 
@@ -458,6 +464,10 @@ def _transitions(ann: Annotation) -> list[Transition]:
                     else Collective.LOCAL_SLICE
                 shared(purpose, a, (node, path), before=lay, after=R,
                        forward=Collective.ALL_GATHER, backward=back)
+                if purpose is Purpose.SEQ_GATHER and _keeps_shard(node, path):
+                    out.append(Transition(Purpose.SEQ_REGATHER, a, ((node, path),), lay, R,
+                                          Collective.NONE, Collective.ALL_GATHER,
+                                          (message(a),), dtype_of(a)))
                 continue
             need, have = o.needs.get(path, R), ann.read(a)
             if not isinstance(have, Replicate):
