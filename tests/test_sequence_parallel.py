@@ -174,7 +174,8 @@ def test_sequence_not_divisible_by_tp():
         _run(model, (idx, idx), {}, 2)
 
 
-@pytest.mark.parametrize("kind,tp", [("gpt2", 2), ("llama", 4), ("bert", 2)])
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "bert"])
 def test_hf_equals_unsharded(kind, tp):
     pytest.importorskip("transformers")
     from hf_cases import build as hf_build, inputs
@@ -182,7 +183,36 @@ def test_hf_equals_unsharded(kind, tp):
     kw = inputs(B, T)
     results = _run(model, (), kw, tp)
     _assert_equal(results, model, (), kw)
-    assert results[0][5].count(purpose="seq_scatter") > 0
+    plan = results[0][5]
+    assert plan.count(purpose="seq_scatter") > 0
+    if kind == "gpt2":  # Conv1D flattens batch x sequence: its row outputs fall back
+        fallbacks = [w for w in plan.warnings if "falls back to all-reduce and slice" in w]
+        assert len(fallbacks) == 2 * model.config.n_layer
+        assert plan.count(purpose="g") == 2 * model.config.n_layer
+    if kind == "llama" and tp == 2:
+        _assert_llama_ledger(results, model.config)
+
+
+def _assert_llama_ledger(results, cfg):
+    """Counted from the config: per layer the o_proj and down_proj outputs are
+    reduce-scattered and the two norms' outputs all-gathered (q, k, v share one; gate
+    and up one), plus the embedding's scatter and the final norm's gather; backward
+    mirrors them and re-gathers the input of q, k, v, gate and up. HF slices the final
+    hidden states (``logits_to_keep``), an op needing the whole sequence: that gather's
+    backward keeps the rank's slice, and the LM head enters its region through f (an
+    all-reduce backward). The norms' weights (2 per layer and the final one) have their
+    gradients summed."""
+    L, h = cfg.num_hidden_layers, cfg.hidden_size
+    full = B * T * h
+    for records in (r[4] for r in results):
+        fwd = [(r.kind, r.elements) for r in records if r.direction == "forward"]
+        bwd = [(r.kind, r.elements) for r in records if r.direction == "backward"]
+        assert fwd.count(("reduce_scatter", full)) == 2 * L + 1
+        assert fwd.count(("all_gather", full)) == 2 * L + 1
+        assert bwd.count(("reduce_scatter", full)) == 2 * L
+        assert bwd.count(("all_gather", full)) == (2 * L + 1) + 5 * L
+        assert sorted(n for k, n in bwd if k == "all_reduce") == [h] * (2 * L + 1) + [full]
+        assert not [k for k, n in fwd if k == "all_reduce" and n == full]
 
 
 @pytest.mark.real
@@ -209,3 +239,32 @@ def test_real_dropout_on_tokens(real_ranks):
         for name, g in plain[1].items():
             assert torch.equal(g, rec[1][name]), name
     assert not any(torch.equal(a, b) for a, b in zip(plain0[2], plain1[2]))
+
+
+def test_command_line_switches(capsys):
+    """``shardplan plan/verify --sequence-parallel``, the trainer's and the demo's flags."""
+    import argparse
+    from shardplan.cli import main
+    from shardplan.train import demo
+    from shardplan.train.trainer import parse_args
+    assert main(["plan", "gpt-tiny", "--tp", "2", "--sequence-parallel"]) == 0
+    out = capsys.readouterr().out
+    assert "sequence parallel:" in out and "seq_scatter" in out
+    assert main(["verify", "gpt-tiny", "--tp", "2", "--sequence-parallel"]) == 0
+    assert parse_args(["--sequence-parallel"]).sequence_parallel
+    ap = argparse.ArgumentParser()
+    demo.add_arguments(ap)
+    cfg = demo.config_from_args(ap.parse_args(["--sequence-parallel"]))
+    assert cfg.sequence_parallel and demo.train_config(cfg, "x.txt").sequence_parallel
+
+
+@pytest.mark.real
+@pytest.mark.timeout(240)
+def test_real_training_matches_plain_tp(real_ranks):
+    """``python -m shardplan.train --sequence-parallel`` trains as the plain plan does."""
+    from train_cases import BASE, rel_close, train_rank
+    cfg = dict(BASE, dp=1, steps=3)
+    plain = real_ranks(2).run(train_rank, cfg)
+    sp = real_ranks(2).run(train_rank, dict(cfg, sequence_parallel=True))
+    for a, b in zip(sp, plain):
+        rel_close(a, b, 1e-4, "sequence-parallel losses")

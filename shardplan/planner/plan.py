@@ -191,6 +191,9 @@ def _decisions(ann: Annotation) -> list[Decision]:
             rule = f"runs on this rank's tokens (sequence parallel): {rule}"
         elif node in ann.scattered:
             rule = f"{rule}; reduce-scattered onto the ranks' tokens: S(seq)"
+        elif ann.seq_dims and role in (Role.ROW, Role.PARTIAL) and node not in ann.seq_dims:
+            rule = (f"{rule}; all-reduced, then sliced onto the ranks' tokens (no dim of its "
+                    "own is the sequence: sequence-parallel fallback)")
         out.append(Decision(
             node=node.name, module=module_of(node), role=role, layout=str(ann.layouts.get(node)),
             rule=rule, evidence=[a.name for a in node.all_input_nodes], source=source_of(node),
