@@ -118,3 +118,14 @@ def dropout_step(ctx, recompute: bool):
 def dropout_steps(ctx):
     """The dropout step without and with recomputation, on one rank."""
     return dropout_step(ctx, False), dropout_step(ctx, True)
+
+
+def autocast_step(ctx, model, args, captured, sequence_parallel):
+    """One step under CPU bf16 autocast: (loss, the gradients' dtypes)."""
+    sharded = ShardedModule(copy.deepcopy(model), ctx.group, load_rules(), example=(args, {}),
+                            gather_output=True, strict=False, captured=copy.deepcopy(captured),
+                            sequence_parallel=sequence_parallel)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = sharded(*args)[1]
+    loss.backward()
+    return loss.item(), {p.grad.dtype for p in sharded.parameters()}

@@ -20,7 +20,7 @@ from shardplan.models import build
 from shardplan.planner.capture import capture
 from shardplan.ranks import SimulatedRanks
 
-from sp_cases import SequenceFirst, dropout_steps, real_step, step
+from sp_cases import SequenceFirst, autocast_step, dropout_steps, real_step, step
 
 B, T = 2, 8
 
@@ -149,6 +149,16 @@ def test_recompute_and_bf16(recompute, dtype):
     tol = dict(atol=3e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=5e-2, rtol=5e-2)
     _assert_equal(results, model, args, tol=tol)
     assert results[0][5].count(purpose="seq_regather") > 0
+
+
+def test_bf16_autocast():
+    """The linears keeping the shard run under autocast (bf16 forward, fp32 weights)."""
+    model, args = _bundled("gpt-tiny")
+    cap = capture(model, args, {})
+    sp = SimulatedRanks(2).run(autocast_step, model, args, cap, True)
+    plain = SimulatedRanks(2).run(autocast_step, model, args, cap, False)
+    assert sp[0][1] == {torch.float32}
+    assert sp[0][0] == pytest.approx(plain[0][0], rel=1e-2)
 
 
 def test_sequence_first_model():

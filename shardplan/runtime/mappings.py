@@ -160,11 +160,13 @@ class _LinearOnGatheredSequence(torch.autograd.Function):
     def backward(ctx, grad):
         shard, weight = ctx.saved_tensors
         need_x, _, need_w, need_b = ctx.needs_input_grad[:4]
-        grad_x = grad.matmul(weight) if need_x else None
+        # under autocast forward ran in grad's dtype; autograd casts the results back
+        grad_x = grad.matmul(weight.to(grad.dtype)) if need_x else None
         grad_w = grad_b = None
         if need_w:
             x = ctx.group.all_gather(shard, ctx.dim, direction="backward", site=ctx.site)
-            grad_w = grad.reshape(-1, grad.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
+            x = x.to(grad.dtype).reshape(-1, x.shape[-1])
+            grad_w = grad.reshape(-1, grad.shape[-1]).t().matmul(x)
         if need_b and ctx.bias:
             grad_b = grad.reshape(-1, grad.shape[-1]).sum(0)
         return grad_x, None, grad_w, grad_b, None, None, None
