@@ -39,7 +39,8 @@ def reference(model, idx, tgt):
     return logits.detach(), loss.detach(), grads
 
 
-def sharded_step(ctx, model, idx, tgt, gather_output=True, captured=None, recompute=False):
+def sharded_step(ctx, model, idx, tgt, gather_output=True, captured=None, recompute=False,
+                 sequence_parallel=False):
     """One forward/backward of the parallelized model on this rank.
 
     ``captured`` (a capture made once for all ranks) skips the per-rank export.
@@ -47,11 +48,13 @@ def sharded_step(ctx, model, idx, tgt, gather_output=True, captured=None, recomp
     if captured is None or recompute:
         sharded = shardplan.parallelize(copy.deepcopy(model), group=ctx.group,
                                         example_inputs=(idx, tgt), gather_output=gather_output,
-                                        recompute=recompute)
+                                        recompute=recompute,
+                                        sequence_parallel=sequence_parallel)
     else:
         sharded = ShardedModule(copy.deepcopy(model), ctx.group, load_rules(),
                                 example=((idx, tgt), {}), gather_output=gather_output,
-                                strict=False, captured=copy.deepcopy(captured))
+                                strict=False, captured=copy.deepcopy(captured),
+                                sequence_parallel=sequence_parallel)
     with CommLedger() as ledger:
         logits, loss = sharded(idx, tgt)
         loss.backward()

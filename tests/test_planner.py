@@ -40,19 +40,21 @@ def configs(draw):
         cfg.update(n_layers=draw(st.integers(1, 2)), n_heads=heads, n_kv_heads=kv,
                    dim=heads * head_dim, ffn_hidden=tp * draw(st.integers(2, 12)))
     b = draw(st.integers(1, 3))
-    t = draw(st.integers(1, 8))
-    return family, cfg, tp, b, t
+    sp = draw(st.booleans())  # sequence parallel: the length divides by tp, differs from b
+    t = draw(st.sampled_from([m for m in (2, 4, 6, 8) if m % tp == 0 and m != b]) if sp
+             else st.integers(1, 8))
+    return family, cfg, tp, b, t, sp
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow],
           phases=[Phase.explicit, Phase.reuse, Phase.generate])  # shrinking: minutes of exports
 @given(configs())
 def test_sharded_equals_unsharded_simulated(case):
-    family, cfg, tp, b, t = case
+    family, cfg, tp, b, t, sp = case
     model = make_model(family, **cfg)
     idx, tgt = batch(cfg["vocab_size"], b, t)
     captured = capture(model, (idx, tgt))  # once for all ranks: export is the slow part
-    results = SimulatedRanks(tp).run(sharded_step, model, idx, tgt, False, captured)
+    results = SimulatedRanks(tp).run(sharded_step, model, idx, tgt, False, captured, False, sp)
     logits, loss, grads = reference(model, idx, tgt)
     head = "lm_head.weight" if family == "gpt" else "output.weight"
     sharded_head = isinstance(results[0][3][head], shardplan.Shard)
@@ -71,7 +73,7 @@ def test_sharded_equals_unsharded_simulated(case):
     layers, h = cfg.get("n_layer", cfg.get("n_layers")), cfg.get("n_embd", cfg.get("dim"))
     kv = cfg.get("n_kv_heads", tp)
     kv_weight = kv * (h // cfg.get("n_heads", 1)) * h if kv < tp else 0
-    if tp > 1:  # at tp=1 the vocabulary is not split: no embedding g or head f
+    if tp > 1 and not sp:  # tp=1: no vocabulary split; SP: test_sequence_parallel counts
         assert_megatron_ledger([r[4] for r in results],
                                megatron_count(layers, b, t, h, kv_weight=kv_weight), tp)
 

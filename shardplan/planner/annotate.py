@@ -132,6 +132,8 @@ def annotate(gm: fx.GraphModule, tp: int, rules: RuleSet, *, strict: bool = Fals
     ann.disabled = {n: why for n, (why, _) in disabled.items()}
     ann.warnings = [f"{describe(n)} kept replicated: {why}"
                     for n, (why, warn) in disabled.items() if warn]
+    if sequence_parallel:
+        ann.warnings += _sequence_fallbacks(ann)
     ann.transitions = _transitions(ann)
     return ann
 
@@ -453,6 +455,24 @@ def _attended(gm: fx.GraphModule) -> set:
 
 # --------------------------------------------------------------------------- transitions
 
+def _sequence_fallbacks(ann: Annotation) -> list[str]:
+    """A partial result without a sequence dim of its own (batch and sequence flattened
+    into one dim, as HF's Conv1D does) is all-reduced, and sliced onto the tokens after,
+    instead of reduce-scattered: one warning per such site."""
+    return [f"{describe(n)}: sequence parallel falls back to all-reduce and slice: its "
+            f"output {list(message(n))} has no dim that is the sequence alone (a rank's "
+            "tokens are not contiguous in a flattened batch x sequence dim)"
+            for n, o in ann.outcomes.items()
+            if o.role in (Role.ROW, Role.PARTIAL) and isinstance(o.out, Partial)
+            and n not in ann.seq_dims]
+
+
+def _keeps_shard(node: fx.Node, path) -> bool:
+    """Does ``node`` keep only the sequence shard of its gathered input for backward
+    (a linear's input, all-gathered again for the weight's gradient)?"""
+    return op_name(node) == "aten.linear.default" and path == (0,)
+
+
 def _transitions(ann: Annotation) -> list[Transition]:
     """Every layout change of the annotated graph, in graph order of its consumer.
 
@@ -488,6 +508,10 @@ def _transitions(ann: Annotation) -> list[Transition]:
                     else Collective.LOCAL_SLICE
                 shared(purpose, a, (node, path), before=lay, after=R,
                        forward=Collective.ALL_GATHER, backward=back)
+                if purpose is Purpose.SEQ_GATHER and _keeps_shard(node, path):
+                    out.append(Transition(Purpose.SEQ_REGATHER, a, ((node, path),), lay, R,
+                                          Collective.NONE, Collective.ALL_GATHER,
+                                          (message(a),), dtype_of(a)))
                 continue
             need, have = o.needs.get(path, R), ann.read(a)
             if not isinstance(have, Replicate):

@@ -62,6 +62,9 @@ class Decision(BaseModel):
     rule: str
     evidence: list[str] = []
     source: str | None = None
+    sequence: bool = Field(
+        default=False, description="the layout splits the sequence: S(seq), this rank's "
+                                   "1/tp of the tokens (sequence parallelism)")
 
 
 class Memory(BaseModel):
@@ -86,6 +89,9 @@ class Plan(BaseModel):
     memory: Memory
     repeated: dict[str, list[int]] = Field(
         default={}, description="block lists planned once: FQN -> [captured, real] length")
+    sequence_parallel: bool = Field(
+        default=False, description="activations between the regions held on 1/tp of the "
+                                   "sequence (decisions with sequence=True)")
 
     def count(self, **match) -> int:
         return sum(1 for c in self.collectives
@@ -231,7 +237,8 @@ def build_plan(model: nn.Module, captured: Captured, ann: Annotation, ruleset: R
                 params=params, collectives=collectives, decisions=decisions,
                 warnings=list(ann.warnings),
                 memory=Memory(param_bytes_per_rank=per_rank, param_bytes_unsharded=unsharded),
-                repeated={k: list(v) for k, v in captured.truncated.items()})
+                repeated={k: list(v) for k, v in captured.truncated.items()},
+                sequence_parallel=bool(ann.seq_dims))
 
 
 def _tokens(args, kwargs) -> int:
@@ -244,15 +251,27 @@ def _tokens(args, kwargs) -> int:
 
 
 def _decisions(ann: Annotation) -> list[Decision]:
+    """Every non-local decision, and in sequence parallelism every op run on the ranks'
+    tokens (``sequence=True``; a region's partial output reduce-scattered onto them is
+    listed as its ``seq_scatter`` collective)."""
     out = []
     for node, o in ann.outcomes.items():
         role = Role.REPLICATED if node in ann.disabled else o.role
-        if role is Role.LOCAL:
+        tokens = ann.on_tokens(node)
+        if role is Role.LOCAL and not tokens:
             continue
+        rule = ann.disabled.get(node, o.rule)
+        if role is Role.LOCAL:
+            rule = f"runs on this rank's tokens (sequence parallel): {rule}"
+        elif node in ann.scattered:
+            rule = f"{rule}; reduce-scattered onto the ranks' tokens: S(seq)"
+        elif ann.seq_dims and role in (Role.ROW, Role.PARTIAL) and node not in ann.seq_dims:
+            rule = (f"{rule}; all-reduced, then sliced onto the ranks' tokens (no dim of its "
+                    "own is the sequence: sequence-parallel fallback)")
         out.append(Decision(
             node=node.name, module=module_of(node), role=role, layout=str(ann.layouts.get(node)),
-            rule=ann.disabled.get(node, o.rule),
-            evidence=[a.name for a in node.all_input_nodes], source=source_of(node)))
+            rule=rule, evidence=[a.name for a in node.all_input_nodes], source=source_of(node),
+            sequence=tokens))
     return out
 
 

@@ -26,9 +26,10 @@ from .kinds import KINDS, Role
 from .transitions import Purpose, Transition
 from ..layouts import Shard
 from ..runtime.comm import Group
-from ..runtime.graph_ops import (CopyToRegion, GatherSequence, GatherShard, LocalShard,
-                                ModelParallelRNG, ReduceFromRegion, ScatterToSequence,
-                                SumOverReplicas, VocabCrossEntropy, VocabLookup)
+from ..runtime.graph_ops import (CopyToRegion, GatherSequence, GatherShard,
+                                LinearOnGatheredSequence, LocalShard, ModelParallelRNG,
+                                ReduceFromRegion, ScatterToSequence, SumOverReplicas,
+                                VocabCrossEntropy, VocabLookup)
 
 aten = torch.ops.aten
 
@@ -96,14 +97,19 @@ class _Rewriter:
             out = self.ann.outcomes.get(orig)
             if out is None:
                 continue
-            node = self.env[orig]
+            node, regather = self.env[orig], None
             for path, a in operands(orig):
                 ts = self.at_edge.get((orig, path))
                 if ts:
                     new = self._value(a)
                     for t in ts:
-                        new = self._execute(t, new, node)
+                        if t.purpose is Purpose.SEQ_REGATHER:
+                            regather = (t, self._value(a))
+                        else:
+                            new = self._execute(t, new, node)
                     replace_operand(node, path, new)
+            if regather is not None:
+                node = self.env[orig] = self._keep_shard(node, *regather)
             self._rewrite_sizes(orig, node)
             self._stride_safe(orig, node, out)
             node = self._model_parallel_rng(orig, node, out)
@@ -174,6 +180,16 @@ class _Rewriter:
         for u in users:
             if u is not node:
                 u.replace_input_with(node, last)
+
+    def _keep_shard(self, node: fx.Node, t: Transition, shard: fx.Node) -> fx.Node:
+        """The linear ``node`` of a gathered sequence, keeping ``shard`` for backward."""
+        args = args_of(node)
+        mod = self._module("seq_linear", LinearOnGatheredSequence(
+            self.group, t.before.dim, self._site(t.src)))
+        with self.graph.inserting_before(node):
+            new = self.graph.call_module(mod, (args["input"], shard, args["weight"],
+                                               args.get("bias")))
+        return self._replace(node, new)
 
     def gather_outputs(self) -> None:
         out = next(n for n in self.graph.nodes if n.op == "output")

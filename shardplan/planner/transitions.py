@@ -17,11 +17,12 @@ purpose                 before -> after  forward      backward      Megatron
 ``SEQ_GATHER``          S(seq) -> R    all_gather   reduce_scatter f (sequence parallel)
 ``SEQ_UNSHARD``         S(seq) -> R    all_gather   local_slice   (gather, fallback)
 ``SEQ_GRAD``            R -> R         none         all_reduce    sequence-parallel grad sum
+``SEQ_REGATHER``        S(seq) -> R    none         all_gather    linear keeps the shard
 ======================  =============  ===========  ============  ==========
 
 (*) a split of a tensor that needs a gradient follows an ``F``, whose
 backward all-reduce sums the zero-padded slices' gradients. Sequence
-parallelism (``annotate(..., sequence_parallel=True)``) adds the last four
+parallelism (``annotate(..., sequence_parallel=True)``) adds the last five
 rows, not a code path: a partial result leaving a region is reduce-scattered
 along the sequence instead of all-reduced, the ops between regions run on
 this rank's tokens, and a region's replicated input is all-gathered from
@@ -29,6 +30,9 @@ them (``SEQ_UNSHARD`` where an op that is no region needs the whole
 sequence: its gradient is whole on every rank). ``SEQ_GRAD`` is ``F``'s collective for a replicated tensor read by
 sequence-sharded ops (a norm's weight, a position embedding): each rank's
 gradient covers only its tokens, so it is summed over the ranks, once.
+``SEQ_REGATHER``: a linear reading a ``SEQ_GATHER`` keeps only this rank's
+tokens for backward and all-gathers them again for its weight's gradient,
+so the gathered input is not held until backward (Megatron's choice).
 """
 
 from __future__ import annotations
@@ -76,6 +80,7 @@ class Purpose(StrEnum):
     SEQ_GATHER = "seq_gather"  # the ranks' tokens gathered to enter a region
     SEQ_UNSHARD = "seq_unshard"  # the ranks' tokens gathered for an op needing them all
     SEQ_GRAD = "seq_grad"  # a replicated tensor read per token: sum its gradient
+    SEQ_REGATHER = "seq_regather"  # a linear's gathered input gathered again in backward
 
 
 @dataclass(frozen=True)

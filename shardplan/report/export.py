@@ -103,7 +103,7 @@ def _analyse(plan, target: str, model=None) -> tuple[OrderedDict, list[ExportIss
             mod, attr = _owner(name)
             params_of.setdefault(mod, {})[attr] = p
     for d in plan.decisions:
-        if d.role in ("replicated",):
+        if d.role in ("replicated", "local"):  # local: sequence-parallel ops on tokens
             continue
         if d.role == "vocab_loss":
             issues.append(ExportIssue(d.module, d.layout, "vocab-parallel cross-entropy is not a module "

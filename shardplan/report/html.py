@@ -211,6 +211,14 @@ class _Colours:
         return "vocab" if module_cat == "vocab" or lay.padded else "column"
 
 
+def _decision_layout(d) -> tuple[str, str]:
+    """A decision's output layout as shown, and in words (``S(seq)`` for the ranks' tokens)."""
+    if d.sequence:
+        return (f"S(seq) {d.layout}", "sequence parallel: this rank's 1/tp of the tokens, "
+                f"split on dim {Placement.parse(d.layout).dim}")
+    return d.layout, describe_layout(d.layout)
+
+
 # --------------------------------------------------------------------------- pieces
 
 def _e(s) -> str:
@@ -280,6 +288,13 @@ _PURPOSE = {
     "gather_output": ("gather", "all-gather of the split output (the full logits)"),
     "vocab_loss": ("loss", "vocab-parallel cross-entropy: max, sum-exp and target logit"),
     "replica_grad": ("grad", "sum of gradients over ranks holding the same part"),
+    "seq_scatter": ("g·seq", "region exit, sequence parallel: reduce-scatter of the partial sums "
+                             "onto the ranks' tokens forward, all-gather backward"),
+    "seq_gather": ("f·seq", "region entry, sequence parallel: all-gather of the ranks' tokens "
+                            "forward, reduce-scatter of the gradient backward"),
+    "seq_unshard": ("gather·seq", "all-gather of the ranks' tokens for an op that needs the whole "
+                                  "sequence (fallback)"),
+    "seq_grad": ("grad·seq", "sum over ranks of the gradient of a replicated tensor read per token"),
 }
 
 
@@ -448,17 +463,18 @@ class _Page:
         outs = []
         for d in n.decisions:
             ocat = _Colours.output(d, cat)
+            shown, words = _decision_layout(d)
             outs.append(
                 f'<span class="chip out cat-{ocat}" data-cat="{ocat}" '
-                f'title="{_e(f"output {d.layout}: {describe_layout(d.layout)}; rule: {d.rule}")}">'
+                f'title="{_e(f"output {d.layout}: {words}; rule: {d.rule}")}">'
                 f'<span class="arrow">→</span><span class="lay" style="color:{_COLOUR[ocat]}">'
-                f'{_e(d.layout)}</span></span>')
+                f'{_e(shown)}</span></span>')
         data = {
             "title": self._display_path(n) or "(model)",
             "category": cat,
             "count": n.count if n.count > 1 else self._count_above(n),
-            "decisions": [{"node": d.node, "role": d.role, "layout": d.layout,
-                           "layout_words": describe_layout(d.layout), "rule": d.rule,
+            "decisions": [{"node": d.node, "role": d.role, "layout": _decision_layout(d)[0],
+                           "layout_words": _decision_layout(d)[1], "rule": d.rule,
                            "evidence": d.evidence, "source": d.source} for d in n.decisions],
             "params": [{"name": short, "full": p.name, "tied_to": alias_of, "layout": p.layout,
                         "layout_words": describe_layout(p.layout), "category": self.colours.param_cat[p.name],
@@ -496,7 +512,8 @@ class _Page:
             times = f"{len(cs)} × " if len(cs) > 1 else ""
             total = (f'<span class="muted"> · ×{mult} blocks = {_e(human(b * mult))}</span>'
                      if mult > 1 else "")
-            place = {"f": "before the region", "g": "after the region"}.get(purpose, "")
+            place = {"f": "before the region", "g": "after the region", "seq_gather": "before the region",
+                     "seq_scatter": "after the region"}.get(purpose, "")
             tip = f"{purpose}: {why}\n{times}{kind} {direction}, {human(b)}" + (
                 f"\nsource: {cs[0].source}" if cs[0].source else "")
             did = self._detail_id({"title": f"{short} at {self._display_path(n) or '(model)'}", "category": "comm",

@@ -3,6 +3,7 @@ per-block tables with identical blocks collapsed."""
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 
 from ..planner import blocks
@@ -36,14 +37,17 @@ def render_text(plan, width: int = 100) -> str:
         groups[key] += 1
         nbytes[key] += c.bytes
     for (direction, kind, purpose, per_tok), n in sorted(groups.items()):
-        lines.append(f"  {direction:8} {n:4} x {kind:10} {purpose:13} "
+        lines.append(f"  {direction:8} {n:4} x {kind:14} {purpose:13} "
                      f"{per_tok:10.1f} elements/token  {human(nbytes[(direction, kind, purpose, per_tok)]):>11}")
     total = sum(c.bytes for c in plan.collectives)
     lines.append(f"  total {len(plan.collectives)} collectives, {human(total)}")
+    if plan.sequence_parallel:
+        lines += _sequence(plan, width)
     lines.append("\nparameters (layout: R replicated, S(d) split on dim d, |a+b blocks, |padN padded):")
-    for title, rows in _collapse(plan.params):
+    rows = [(p.name, (p.layout, tuple(p.global_shape), tuple(p.local_shape))) for p in plan.params]
+    for title, rows in _collapse(rows):
         lines.append(f"  {title}")
-        for name, lay, gshape, lshape in rows:
+        for name, (lay, gshape, lshape) in rows:
             lines.append(_clip(f"    {name:40} {lay:14} {str(gshape):>18} -> {str(lshape)}", width))
     return "\n".join(lines)
 
@@ -64,13 +68,42 @@ def _training_memory(t) -> list[str]:
     return lines
 
 
-def _collapse(params):
-    """(title, rows) groups: one per top-level item, consecutive identical blocks merged."""
+def _sequence(plan, width: int) -> list[str]:
+    """The ops run on this rank's tokens, and the reduce-scatters / all-gathers around them."""
+    seq = [d for d in plan.decisions if d.sequence]
+    sites = Counter((c.module, c.purpose, c.kind, c.direction) for c in plan.collectives
+                    if c.purpose in ("seq_scatter", "seq_gather", "seq_unshard"))
+    nbytes = Counter()
+    for c in plan.collectives:
+        nbytes[(c.module, c.purpose, c.kind, c.direction)] += c.bytes
+    lines = [f"\nsequence parallel: {len(seq)} ops on S(seq), this rank's 1/{plan.tp} of the tokens; "
+             "reduce-scatter leaving a region, all-gather entering one:"]
+    rows = [(d.module or "(top level)", ("S(seq)", re.sub(r"_\d+$", "", d.node), d.layout))
+            for d in seq]
+    rows += [(module or "(top level)", (purpose, f"{n} x {kind} {direction}", human(nbytes[key])))
+             for key, n in sites.items() for module, purpose, kind, direction in [key]]
+    for title, group in _collapse(sorted(rows, key=lambda r: _order(plan, r[0]))):
+        lines.append(f"  {title}")
+        for name, (what, node, detail) in group:
+            lines.append(_clip(f"    {name:30} {what:12} {node:28} {detail}", width))
+    return lines
+
+
+def _order(plan, module: str) -> int:
+    """Position of ``module``'s first decision or collective in the plan (graph order)."""
+    for i, item in enumerate(list(plan.decisions) + list(plan.collectives)):
+        if (item.module or "(top level)") == module:
+            return i
+    return len(plan.decisions) + len(plan.collectives)
+
+
+def _collapse(items):
+    """(title, rows) groups of (name, row) items: one per top-level item, consecutive
+    identical blocks merged."""
     groups: dict = {}
-    for p in params:
-        key, idx, rest = blocks.split_first(p.name) or ("", -1, p.name)
-        groups.setdefault((key, idx), []).append(
-            (rest, p.layout, tuple(p.global_shape), tuple(p.local_shape)))
+    for name, row in items:
+        key, idx, rest = blocks.split_first(name) or ("", -1, name)
+        groups.setdefault((key, idx), []).append((rest, row))
     result = []
     for run in blocks.runs((idx, (key, rows), (key, rows)) for (key, idx), rows in groups.items()):
         key, rows = run.item

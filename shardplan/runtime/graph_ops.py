@@ -15,8 +15,8 @@ from .comm import Group
 from .layers import check_ids, vocab_lookup, vocab_range
 from .ledger import traced
 from .loss import vocab_parallel_cross_entropy
-from .mappings import (copy_to_region, gather_from_sequence, reduce_from_region,
-                       reduce_scatter_to_sequence)
+from .mappings import (copy_to_region, gather_from_sequence, linear_on_gathered_sequence,
+                       reduce_from_region, reduce_scatter_to_sequence)
 from .random import tracker_for
 
 
@@ -65,6 +65,19 @@ class GatherSequence(nn.Module):
 
     def forward(self, x):
         return gather_from_sequence(x, self.group, dim=self.dim, site=self.site)
+
+
+class LinearOnGatheredSequence(nn.Module):
+    """A linear of a sequence-parallel f's output that keeps the shard for backward
+    (all-gathered again there) instead of the gathered input."""
+
+    def __init__(self, group: Group, dim: int, site: str):
+        super().__init__()
+        self.group, self.dim, self.site = group, dim, site
+
+    def forward(self, x, shard, weight, bias=None):
+        return linear_on_gathered_sequence(x, shard, weight, bias, self.group, dim=self.dim,
+                                           site=self.site)
 
 
 def check_sequence(length: int, tp: int, site: str) -> None:

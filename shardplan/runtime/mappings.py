@@ -12,6 +12,9 @@ each other's adjoint:
     gather_from_sequence          all-gather seq dim      reduce-scatter seq dim
     reduce_scatter_to_sequence    reduce-scatter seq dim  all-gather seq dim
 
+``linear_on_gathered_sequence`` is a linear of an all-gathered sequence that
+keeps only this rank's shard for backward and all-gathers it again there.
+
 The sequence mappings take the sequence dim (``dim``, default 0: Megatron's
 sequence-first layout; a batch-first ``[B, T, C]`` passes 1).
 
@@ -163,6 +166,39 @@ def reduce_scatter_to_sequence(x: torch.Tensor, group, *, dim: int = 0,
     all-gathers."""
     return _apply(_ReduceScatterToSequence, x, group, site,
                   (("reduce_scatter", "forward", False), ("all_gather", "backward", False)), dim)
+
+
+class _LinearOnGatheredSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, shard, weight, bias, group, dim, site):
+        ctx.save_for_backward(shard, weight)
+        ctx.group, ctx.dim, ctx.site, ctx.bias = group, dim, site, bias is not None
+        return torch.nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shard, weight = ctx.saved_tensors
+        need_x, _, need_w, need_b = ctx.needs_input_grad[:4]
+        # under autocast forward ran in grad's dtype; autograd casts the results back
+        grad_x = grad.matmul(weight.to(grad.dtype)) if need_x else None
+        grad_w = grad_b = None
+        if need_w:
+            x = ctx.group.all_gather(shard, ctx.dim, direction="backward", site=ctx.site)
+            x = x.to(grad.dtype).reshape(-1, x.shape[-1])
+            grad_w = grad.reshape(-1, grad.shape[-1]).t().matmul(x)
+        if need_b and ctx.bias:
+            grad_b = grad.reshape(-1, grad.shape[-1]).sum(0)
+        return grad_x, None, grad_w, grad_b, None, None, None
+
+
+def linear_on_gathered_sequence(x: torch.Tensor, shard: torch.Tensor, weight: torch.Tensor,
+                                bias: torch.Tensor | None, group, *, dim: int,
+                                site: str | None = None) -> torch.Tensor:
+    """``linear(x, weight, bias)`` where ``x`` is ``shard`` all-gathered along ``dim``:
+    backward keeps ``shard`` (1/tp of the tokens) instead of ``x`` and all-gathers it
+    again for the weight's gradient; ``x``'s gradient flows back through its gather."""
+    return _LinearOnGatheredSequence.apply(x, shard, weight, bias, as_group(group), dim,
+                                           _site(site))
 
 
 f = copy_to_region
