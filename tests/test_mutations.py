@@ -202,3 +202,21 @@ def test_dropped_padding_idx_fails_the_padding_tests(monkeypatch):
         case(tp=2, b=2, s=3, vocab=7, d=4, pad=True, seed=0)
     monkeypatch.undo()
     case(tp=2, b=2, s=3, vocab=7, d=4, pad=True, seed=0)  # the same case passes unmutated
+
+
+DROPOUT = ModelCfg(dim=16, vocab=32, seq=5, blocks=(BlockCfg(
+    attn=AttnCfg(heads=2, kv_heads=2, head_dim=4), mlp=MlpCfg(hidden=16, act="gelu"),
+    twists=(("ffn", "dropout"), ("stream", "dropout"))),))
+
+
+@pytest.mark.real
+def test_dropout_on_the_wrong_stream_fails_the_dropout_fuzzer(real_ranks):
+    """``ModelParallelRNG`` drawing from the replicated stream (dropout inside a region
+    with the same mask on every rank) fails the train-mode fuzz check. The fault is
+    applied in each worker process (``dropout_run``'s ``broken``), where the model runs."""
+    from dropout_cases import check_streams, dropout_run
+
+    pool = real_ranks(2)
+    assert check_streams(pool.run(dropout_run, DROPOUT)) == {"replicated", "model-parallel"}
+    with pytest.raises(AssertionError, match="did not draw from the model-parallel stream"):
+        check_streams(pool.run(dropout_run, DROPOUT, True))
