@@ -44,8 +44,10 @@ def test_unsharded_decode_matches_generate():
     step = GPTDecodeStep(model, batch=2, max_len=MAX_LEN)
     assert torch.equal(decode(step, ids, max_new_tokens=NEW), expected)
     assert torch.equal(decode(step, ids, max_new_tokens=NEW), expected)  # a used cache
-    with pytest.raises(ConfigurationError, match="cache of 12 positions"):
+    with pytest.raises(ConfigurationError, match="cache of 2 sequences of 12 positions"):
         decode(step, ids, max_new_tokens=MAX_LEN)
+    with pytest.raises(ConfigurationError, match="1 prompts"):
+        decode(step, ids[:1], max_new_tokens=NEW)
 
 
 def sim_decode(ctx, model, captured, ids):
@@ -58,19 +60,23 @@ def sim_decode(ctx, model, captured, ids):
             cache_bytes(sharded._tensors))
 
 
-def test_sharded_decode_runs_one_token_per_step_on_its_heads():
+def test_sharded_decode_prefills_then_runs_one_token_per_step_on_its_heads():
     model, ids, expected = setup()
     captured = capture(GPTDecodeStep(model, batch=2, max_len=MAX_LEN), step_example(), {})
     full = cache_bytes(dict(GPTDecodeStep(model, 2, MAX_LEN).named_buffers()))
     batch, width, vocab = 2, model.config.n_embd, 98  # 97 padded to a multiple of tp
-    one_token = ([("all_reduce", batch * 1 * width), ("all_reduce", 1 * width)]  # wte, wpe
-                 + [("all_reduce", batch * 1 * width)] * 2 * model.config.n_layer  # attn, mlp
-                 + [("all_gather", batch * 1 * vocab)])  # the logits
-    steps = ids.shape[1] + NEW - 1
-    for out, graphs, collectives, local in SimulatedRanks(TP).run(sim_decode, model, captured, ids):
+
+    def call(tokens: int) -> list:
+        """The collectives of one call on ``tokens`` tokens per sequence."""
+        return ([("all_reduce", batch * tokens * width), ("all_reduce", tokens * width)]
+                + [("all_reduce", batch * tokens * width)] * 2 * model.config.n_layer
+                + [("all_gather", batch * tokens * vocab)])  # wte, wpe, attn/mlp, logits
+
+    for out, graphs, collectives, local in SimulatedRanks(TP).run(sim_decode, model, captured,
+                                                                  ids):
         assert torch.equal(out, expected)
-        assert graphs == 1  # one capture serves every position
-        model_steps = [c for c in collectives if c[0] != "broadcast"]
-        assert model_steps == one_token * steps  # the same one-token sizes at every step
+        assert graphs == 2  # the prefill's, and one for every decode position
+        model_calls = [c for c in collectives if c[0] != "broadcast"]
+        assert model_calls == call(ids.shape[1]) + call(1) * (NEW - 1)
         assert [c for c in collectives if c[0] == "broadcast"] == [("broadcast", batch)] * NEW
         assert local * TP == full
