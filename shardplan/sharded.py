@@ -76,6 +76,11 @@ class ShardedModule(nn.Module):
         return self._group
 
     @property
+    def source(self) -> nn.Module:
+        """The module this one was parallelized from: what each new way of calling captures."""
+        return self._source[0]
+
+    @property
     def layouts(self) -> dict:
         """Every parameter/buffer FQN (each alias of a tied weight) -> its placement over
         the TP group, as its tensor's spec says."""
