@@ -223,12 +223,18 @@ def test_region_dropout_refuses_compile(real_ranks):
 
 @pytest.mark.timeout(300)
 def test_train_compile_option(real_ranks):
-    """``python -m shardplan.train --compile [BACKEND]``: a compiled run (fp32, and fp16
+    """``python -m shardplan.train --compile [BACKEND]`` (and the demo's): a compiled run (fp32, and fp16
     with the loss scaler) takes the steps the eager one takes."""
+    import argparse
     import dataclasses
     from shardplan.train.trainer import parse_args
     from train_cases import train_rank
+    from shardplan.train import demo
     assert parse_args(["--compile"]).compile == "inductor"
+    ap = argparse.ArgumentParser()
+    demo.add_arguments(ap)
+    demo_cfg = demo.config_from_args(ap.parse_args(["--compile", "aot_eager"]))
+    assert demo.train_config(demo_cfg, "corpus.txt").compile == "aot_eager"
     argv = ["--model", "gpt-tiny", "--tp", "2", "--steps", "2", "--batch-size", "2",
             "--seq-len", "16", "--log-every", "0", "--compile", "aot_eager"]
     compiled = dataclasses.asdict(parse_args(argv))

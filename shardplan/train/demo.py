@@ -69,6 +69,7 @@ class DemoConfig:
     weight_decay: float = 0.01
     clip: float = 1.0
     sequence_parallel: bool = False
+    compile: str | None = None  # a torch.compile backend for the sharded graph
 
     @property
     def block(self) -> int:
@@ -98,7 +99,8 @@ def train_config(cfg: DemoConfig, data: str):
                        steps=cfg.steps, batch_size=cfg.batch // cfg.dp, seq_len=cfg.block,
                        lr=cfg.lr, warmup=cfg.warmup, clip=cfg.clip,
                        weight_decay=cfg.weight_decay, seed=cfg.seed, data=data,
-                       log_every=0, device="cpu", sequence_parallel=cfg.sequence_parallel)
+                       log_every=0, device="cpu", sequence_parallel=cfg.sequence_parallel,
+                       compile=cfg.compile)
 
 
 @contextlib.contextmanager
@@ -401,12 +403,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--sequence-parallel", action="store_true",
                     help="hold the activations between the parallel regions on 1/tp of the "
                          "sequence")
+    ap.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                    help="torch.compile the sharded graph with BACKEND (bare: inductor)")
 
 
 def config_from_args(args) -> DemoConfig:
     return DemoConfig(tp=args.tp, dp=args.dp, steps=args.steps, size=args.size,
                       out=args.out, seed=args.seed, batch=args.batch,
-                      sequence_parallel=args.sequence_parallel)
+                      sequence_parallel=args.sequence_parallel, compile=args.compile)
 
 
 def main(argv: list[str] | None = None) -> int:
