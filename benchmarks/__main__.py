@@ -25,6 +25,8 @@ BENCHMARKS = {
     "plan_scale": ("planning time and memory as models grow", ["--runs", "1", "--no-write"]),
     "step_time": ("training-step time at tp=2 on gloo: shardplan, DTensor, manual Megatron, "
                   "unsharded", ["--quick"]),
+    "compile_step": ("training-step time under torch.compile at tp=2: shardplan compiled and "
+                     "eager, DTensor compiled, manual Megatron", ["--quick"]),
     "comm_volume": ("collectives and bytes per training step against the Megatron optimum",
                     ["--quick"]),
     "memory": ("parameter, gradient and AdamW bytes per rank at tp 1-8 against theory",

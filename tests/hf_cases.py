@@ -14,20 +14,21 @@ from shardplan.sharded import ShardedModule
 VOCAB = 101  # not divisible by 2 or 4: the vocabulary gets padded
 
 
-def build(kind: str, attn: str = "sdpa", layers: int = 2, heads: int = 4, kv_heads: int = 2):
+def build(kind: str, attn: str = "sdpa", layers: int = 2, heads: int = 4, kv_heads: int = 2,
+          hidden: int = 64):
     import transformers as tf
     torch.manual_seed(0)
     if kind == "gpt2":
-        cfg = tf.GPT2Config(n_layer=layers, n_embd=64, n_head=heads, vocab_size=VOCAB,
+        cfg = tf.GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, vocab_size=VOCAB,
                             n_positions=32, bos_token_id=0, eos_token_id=0)
         model = tf.GPT2LMHeadModel(cfg)
     elif kind == "llama":
-        cfg = tf.LlamaConfig(num_hidden_layers=layers, hidden_size=64, num_attention_heads=heads,
+        cfg = tf.LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
                              num_key_value_heads=kv_heads, intermediate_size=96, vocab_size=VOCAB,
                              max_position_embeddings=64, bos_token_id=0, eos_token_id=0)
         model = tf.LlamaForCausalLM(cfg)
     else:
-        cfg = tf.BertConfig(num_hidden_layers=layers, hidden_size=64, num_attention_heads=heads,
+        cfg = tf.BertConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
                             intermediate_size=96, vocab_size=VOCAB, max_position_embeddings=64)
         model = tf.BertForMaskedLM(cfg)
     model.config._attn_implementation = attn

@@ -2,9 +2,12 @@
 
 Every case runs on real gloo ranks (functional collectives need a process
 group) and compares, on every rank, the compiled sharded model with the eager
-sharded model and with the unsharded one: outputs, loss, gathered gradients
-and the ledger. Most cases use the ``aot_eager`` backend (dynamo's full-graph
-capture and AOT autograd without C++ codegen); one proves inductor.
+sharded model and with the unsharded one: loss, gathered gradients and the
+ledger, with and without per-block recompute. Models are one layer of hidden
+32, captured once per rank and sharded four ways (eager/compiled x
+whole/per-block), so a case costs two compiles. Most cases use the
+``aot_eager`` backend (dynamo's full-graph capture and AOT autograd without
+C++ codegen); one proves inductor.
 """
 
 from __future__ import annotations
@@ -18,31 +21,43 @@ import shardplan
 from shardplan.errors import ConfigurationError
 from shardplan.layouts import Shard
 from shardplan.models import build
+from shardplan.planner.capture import capture
+from shardplan.planner.rules import load_rules
 from shardplan.ranks import SimulatedRanks
 from shardplan.runtime.ledger import CommLedger
+from shardplan.sharded import ShardedModule
 
 pytestmark = [pytest.mark.real]
 
+CASES = ("gpt", "llama", "hf-gpt2", "hf-llama")
+LENGTHS = (12, 16, 6)  # after the example's 8: the first recompiles dynamic, the rest reuse it
+
 
 def make(case: str):
-    """(model, keyword inputs, loss from the output) for a case name."""
+    """(model, keyword inputs, loss from the output): one layer, hidden 32."""
     if case.startswith("hf-"):
         import hf_cases
-        model = hf_cases.build(case[3:])
-        return model, hf_cases.inputs(), lambda out: out.loss
+        return hf_cases.build(case[3:], layers=1, hidden=32), hf_cases.inputs(), lambda out: out.loss
     torch.manual_seed(0)
-    model = build(case)
+    if case == "gpt":
+        model = build("gpt-tiny", n_layer=1)
+    else:
+        model = build("llama-tiny", n_layers=1, dim=32, ffn_hidden=64)
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(1)
-    kw = {"idx" if case.startswith("gpt") else "tokens": torch.randint(0, vocab, (2, 8), generator=g),
+    kw = {"idx" if case == "gpt" else "tokens": torch.randint(0, vocab, (2, 8), generator=g),
           "targets": torch.randint(0, vocab, (2, 8), generator=g)}
     return model, kw, lambda out: out[1]
 
 
+def lengthened(kw: dict, t: int) -> dict:
+    """The inputs with every (batch, sequence) tensor cut or tiled to length ``t``."""
+    return {k: v.repeat(1, 2)[:, :t].contiguous() for k, v in kw.items()}
+
+
 def run_once(sharded, kw, loss_of):
     with CommLedger() as ledger:
-        out = sharded(**kw)
-        loss = loss_of(out)
+        loss = loss_of(sharded(**kw))
         loss.backward()
     grads = {n: p.grad.clone() for n, p in sharded.named_parameters(remove_duplicate=False)
              if p.grad is not None}
@@ -50,30 +65,47 @@ def run_once(sharded, kw, loss_of):
 
 
 class CountingBackend:
-    """A ``torch.compile`` backend that counts the graphs dynamo hands it."""
+    """A ``torch.compile`` backend that counts the graphs dynamo hands it, then runs
+    them through ``backend``."""
 
-    def __init__(self):
-        self.graphs = 0
+    def __init__(self, backend: str):
+        from torch._dynamo import lookup_backend
+        self.backend, self.graphs = lookup_backend(backend), 0
 
     def __call__(self, gm, example_inputs):
         self.graphs += 1
-        from torch._dynamo.backends.common import aot_autograd
-        return aot_autograd(fw_compiler=lambda g, _: g, bw_compiler=lambda g, _: g)(gm, example_inputs)
+        return self.backend(gm, example_inputs)
 
 
-def compiled_vs_eager(ctx, case, recompute, backend="aot_eager"):
-    """Per rank: (eager, compiled) results of one step, and the graphs compiled."""
+def case_results(ctx, case, lengths=()):
+    """On this rank: one step of the model sharded eager and compiled, whole and per
+    block; the graphs each compiled model handed its backend; graph breaks; and, for
+    ``lengths``, the whole compiled model's graph count after each further call."""
     import torch._dynamo
+    from torch._dynamo.utils import counters
     torch._dynamo.reset()
+    counters.clear()
     model, kw, loss_of = make(case)
-    counter = CountingBackend()
-    eager = shardplan.parallelize(copy.deepcopy(model), group=ctx.group, example_inputs=kw,
-                                  recompute=recompute)
-    compiled = shardplan.parallelize(copy.deepcopy(model), group=ctx.group, example_inputs=kw,
-                                     recompute=recompute,
-                                     compile=counter if backend == "count" else backend)
-    return run_once(eager, kw, loss_of), run_once(compiled, kw, loss_of), eager.layouts, \
-        counter.graphs
+    captured = capture(model, (), kw)
+    out = {}
+    for recompute in (True, False):
+        for compiled in (False, True):
+            counter = CountingBackend("aot_eager") if compiled else None
+            sharded = ShardedModule(copy.deepcopy(model), ctx.group, load_rules(),
+                                    example=((), kw), gather_output=True, strict=False,
+                                    recompute=recompute, compile=counter or False,
+                                    captured=copy.deepcopy(captured))
+            out[recompute, compiled] = run_once(sharded, kw, loss_of)
+            if compiled:
+                out[recompute, "graphs"] = counter.graphs, max(1, len(sharded.recomputed))
+    grown = []
+    for t in lengths:  # `sharded` and `counter` are the last: compiled whole
+        run_once(sharded, lengthened(kw, t), loss_of)
+        grown.append(counter.graphs)
+    out["lengths"] = grown
+    out["breaks"] = sum(counters["graph_break"].values())
+    out["layouts"] = sharded.layouts
+    return out
 
 
 def unsharded(case):
@@ -84,73 +116,87 @@ def unsharded(case):
                            if p.grad is not None}
 
 
-def assert_all_equal(results, case, recompute=False):
-    ref_loss, ref_grads = unsharded(case)
-    for eager, compiled, layouts, _ in results:
+def assert_equal(ranks, reference, eager_key, compiled_key):
+    """Compiled == eager (loss, ledger, every shard) and both == unsharded on every rank."""
+    ref_loss, ref_grads = reference
+    recompute = compiled_key[0]
+    for r in ranks:
+        eager, compiled = r[eager_key], r[compiled_key]
         torch.testing.assert_close(compiled[0], eager[0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(compiled[0], ref_loss, atol=2e-5, rtol=1e-4)
         if not recompute:
             assert compiled[2] == eager[2]  # the ledger records the same collectives
         else:  # eager checkpoint stops recomputing early (skips a block's last g); a graph cannot
-            backward = [r for r in eager[2] if r[0][1] == "backward"]
-            assert [r for r in compiled[2] if r[0][1] == "backward"] == backward
+            assert [x for x in compiled[2] if x[0][1] == "backward"] == \
+                [x for x in eager[2] if x[0][1] == "backward"]
+        for name in ref_grads:
+            torch.testing.assert_close(compiled[1][name], eager[1][name], atol=1e-6, rtol=1e-5,
+                                       msg=name)
     for name, g in ref_grads.items():
-        lay = results[0][2][name]
-        for which in (0, 1):  # eager, compiled
-            parts = [r[which][1][name] for r in results]
+        lay = ranks[0]["layouts"][name]
+        for key in (eager_key, compiled_key):
+            parts = [r[key][1][name] for r in ranks]
             got = lay.unshard(parts, g.shape[lay.dim]) if isinstance(lay, Shard) else parts[0]
             torch.testing.assert_close(got, g, atol=2e-5, rtol=1e-4, msg=name)
-        for r in results:  # compiled equals eager on every rank, shard by shard
-            torch.testing.assert_close(r[1][1][name], r[0][1][name], atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.timeout(600)
+@pytest.fixture(scope="module")
+def results(real_ranks):
+    """``results(case)``: every rank's ``case_results``, run once per case for all tests."""
+    cache = {}
+
+    def get(case):
+        if case not in cache:
+            lengths = LENGTHS if case == "gpt" else ()
+            cache[case] = real_ranks(2).run(case_results, case, lengths)
+        return cache[case]
+    return get
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("recompute", [False, True], ids=["whole", "per-block"])
-@pytest.mark.parametrize("case", ["gpt-tiny", "llama-tiny", "hf-gpt2", "hf-llama"])
-def test_compiled_equals_eager_equals_unsharded(real_ranks, case, recompute):
-    assert_all_equal(real_ranks(2).run(compiled_vs_eager, case, recompute), case, recompute)
-
-
-def recompiles(ctx):
-    """Graphs compiled for calls with three sequence lengths, and the explain of the first."""
-    import torch._dynamo
-    torch._dynamo.reset()
-    model, kw, loss_of = make("gpt-tiny")
-    counter = CountingBackend()
-    sharded = shardplan.parallelize(model, group=ctx.group, example_inputs=kw, compile=counter)
-    counts = []
-    for t in (8, 12, 16, 6):
-        ids = kw["idx"].repeat(1, 2)[:, :t].contiguous()
-        loss_of(sharded(ids, ids)).backward()
-        counts.append(counter.graphs)
-    torch._dynamo.reset()
-    eager = shardplan.parallelize(model, group=ctx.group, example_inputs=kw)
-    explained = torch._dynamo.explain(eager.graph_module)(**kw)
-    return counts, explained.graph_count, explained.graph_break_count
+@pytest.mark.parametrize("case", CASES)
+def test_compiled_equals_eager_equals_unsharded(results, case, recompute):
+    assert_equal(results(case), unsharded(case), (recompute, False), (recompute, True))
 
 
 @pytest.mark.timeout(300)
-def test_one_graph_no_breaks_and_one_recompile_for_new_lengths(real_ranks):
-    for counts, graphs, breaks in real_ranks(2).run(recompiles):
-        assert counts[0] == 1  # one graph for the whole sharded model
-        assert counts[1] <= 2 and counts[-1] == counts[1]  # dynamic after one recompile
-        assert (graphs, breaks) == (1, 0)
+@pytest.mark.parametrize("case", CASES)
+def test_one_graph_per_compiled_unit_no_breaks(results, case):
+    for r in results(case):
+        assert r["breaks"] == 0
+        whole, units = r[False, "graphs"]
+        assert (whole, units) == (1, 1)  # the whole sharded model is one graph
+        blocks, units = r[True, "graphs"]
+        assert blocks == units  # one graph per recomputed block
 
 
 @pytest.mark.timeout(300)
-def test_per_block_compiles_one_graph_per_block(real_ranks):
-    for *_, graphs in real_ranks(2).run(compiled_vs_eager, "gpt-tiny", True, "count"):
-        assert graphs == 2  # gpt-tiny has two layers
+def test_new_lengths_recompile_at_most_once(results):
+    for r in results("gpt"):
+        first = r[False, "graphs"][0]
+        assert r["lengths"][0] <= first + 1  # one recompile, dynamic in batch and sequence
+        assert r["lengths"][-1] == r["lengths"][0]  # further lengths reuse it
+
+
+def inductor_step(ctx):
+    model, kw, loss_of = make("gpt")
+    out = {"layouts": None}
+    for compiled in (False, True):
+        sharded = shardplan.parallelize(copy.deepcopy(model), group=ctx.group,
+                                        example_inputs=kw, compile=compiled)
+        out[False, compiled] = run_once(sharded, kw, loss_of)
+    out["layouts"] = sharded.layouts
+    return out
 
 
 @pytest.mark.timeout(600)
 def test_inductor(real_ranks):
-    assert_all_equal(real_ranks(2).run(compiled_vs_eager, "gpt-tiny", False, "inductor"),
-                     "gpt-tiny")
+    assert_equal(real_ranks(2).run(inductor_step), unsharded("gpt"), (False, False), (False, True))
 
 
 def refuse_simulated(ctx):
-    model, kw, _ = make("gpt-tiny")
+    model, kw, _ = make("gpt")
     with pytest.raises(ConfigurationError, match="needs a torch.distributed process group"):
         shardplan.parallelize(model, group=ctx.group, example_inputs=kw, compile=True)
     return True
@@ -163,7 +209,7 @@ def test_simulated_ranks_refuse_compile():
 
 def refuse_region_dropout(ctx):
     torch.manual_seed(0)
-    model = build("gpt-tiny", dropout=0.1).train()
+    model = build("gpt-tiny", n_layer=1, dropout=0.1).train()
     kw = {"idx": torch.zeros(2, 8, dtype=torch.long)}
     with pytest.raises(ConfigurationError, match="model-parallel RNG"):
         shardplan.parallelize(model, group=ctx.group, example_inputs=kw, compile="aot_eager")
@@ -173,3 +219,28 @@ def refuse_region_dropout(ctx):
 @pytest.mark.timeout(120)
 def test_region_dropout_refuses_compile(real_ranks):
     assert real_ranks(2).run(refuse_region_dropout) == [True, True]
+
+
+@pytest.mark.timeout(300)
+def test_train_compile_option(real_ranks):
+    """``python -m shardplan.train --compile [BACKEND]`` (and the demo's): a compiled run (fp32, and fp16
+    with the loss scaler) takes the steps the eager one takes."""
+    import argparse
+    import dataclasses
+    from shardplan.train.trainer import parse_args
+    from train_cases import train_rank
+    from shardplan.train import demo
+    assert parse_args(["--compile"]).compile == "inductor"
+    ap = argparse.ArgumentParser()
+    demo.add_arguments(ap)
+    demo_cfg = demo.config_from_args(ap.parse_args(["--compile", "aot_eager"]))
+    assert demo.train_config(demo_cfg, "corpus.txt").compile == "aot_eager"
+    argv = ["--model", "gpt-tiny", "--tp", "2", "--steps", "2", "--batch-size", "2",
+            "--seq-len", "16", "--log-every", "0", "--compile", "aot_eager"]
+    compiled = dataclasses.asdict(parse_args(argv))
+    assert compiled["compile"] == "aot_eager"
+    for cfg in (compiled, dict(compiled, fp16=True, steps=1)):
+        eager = real_ranks(2).run(train_rank, dict(cfg, compile=None))
+        runs = real_ranks(2).run(train_rank, cfg)
+        assert runs[0] == runs[1] and len(runs[0]) == cfg["steps"]
+        torch.testing.assert_close(runs[0], eager[0], atol=1e-5, rtol=1e-5)

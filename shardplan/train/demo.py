@@ -71,6 +71,7 @@ class DemoConfig:
     clip: float = 1.0
     sequence_parallel: bool = False
     fsdp: bool = False  # FSDP2 over the dp ranks instead of replicas
+    compile: str | None = None  # a torch.compile backend for the sharded graph
 
     @property
     def block(self) -> int:
@@ -101,7 +102,8 @@ def train_config(cfg: DemoConfig, data: str):
                        lr=cfg.lr, warmup=cfg.warmup, clip=cfg.clip,
                        weight_decay=cfg.weight_decay, seed=cfg.seed, data=data,
                        log_every=0, device="cpu", sequence_parallel=cfg.sequence_parallel,
-                       fsdp=cfg.fsdp)
+                       fsdp=cfg.fsdp,
+                       compile=cfg.compile)
 
 
 @contextlib.contextmanager
@@ -434,12 +436,15 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--fsdp", action="store_true",
                     help="shard parameters, gradients and optimizer state over the dp ranks "
                          "with FSDP2 (e.g. --tp 2 --dp 2 --fsdp)")
+    ap.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                    help="torch.compile the sharded graph with BACKEND (bare: inductor)")
 
 
 def config_from_args(args) -> DemoConfig:
     return DemoConfig(tp=args.tp, dp=args.dp, steps=args.steps, size=args.size,
                       out=args.out, seed=args.seed, batch=args.batch,
-                      sequence_parallel=args.sequence_parallel, fsdp=args.fsdp)
+                      sequence_parallel=args.sequence_parallel, fsdp=args.fsdp,
+                      compile=args.compile)
 
 
 def main(argv: list[str] | None = None) -> int:

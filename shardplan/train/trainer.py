@@ -36,7 +36,9 @@ rank skip the step and back the scale off, so no rank steps alone; the scale
 is logged and saved with the checkpoint. A step whose gradient is not finite
 is skipped in every mode. ``--recompute``: each block's activations are
 recomputed in backward (``parallelize(recompute=True)``), with the dropout
-masks of the first pass.
+masks of the first pass. ``--compile [BACKEND]``: ``parallelize(compile=...)``,
+the sharded graph (or each recomputed block) under ``torch.compile`` with
+``fullgraph=True`` (default backend inductor).
 
 **Checkpoints.** ``--save DIR`` writes ``DIR/step-00000050`` (a
 ``shardplan.checkpoint`` directory: shards and optimizer state per TP rank)
@@ -137,6 +139,10 @@ class TrainConfig:
     fsdp: bool = option(False, "shard parameters, gradients and optimizer state over the "
                         "data-parallel ranks with FSDP2, per block (checkpoints are then "
                         "torch DCP)")
+    compile: str | None = option(None, "torch.compile the sharded graph (fullgraph; per block "
+                                       "with --recompute) with this backend; bare --compile: "
+                                       "inductor", nargs="?", const="inductor",
+                                 metavar="BACKEND")
     log_every: int = option(10, "steps between log lines (0: no logging)")
     dropout: float | None = option(None, "override a bundled preset's dropout")
     device: str | None = option(None, "cpu, cuda or cuda:N (default: cuda:LOCAL_RANK when "
@@ -442,7 +448,8 @@ class Trainer:
         self.sharded = parallelize(model, mesh=self.dims.mesh, example_inputs=example,
                                    gather_output=False, recompute=config.recompute,
                                    sequence_parallel=config.sequence_parallel,
-                                   fsdp=config.fsdp)
+                                   fsdp=config.fsdp,
+                                   compile=config.compile or False)
         self.tracker = manual_seed(config.seed, self.tp_rank)
         self.optimizer = build_optimizer(self.sharded, config.lr,
                                          weight_decay=config.weight_decay)
@@ -609,7 +616,8 @@ class Trainer:
               f"{', bf16 autocast' if c.bf16 else ''}"
               f"{', fp16 autocast with loss scaling' if c.fp16 else ''}"
               f"{', recomputed blocks' if c.recompute else ''}"
-              f"{', FSDP2 over dp' if c.fsdp else ''}; global batch "
+              f"{', FSDP2 over dp' if c.fsdp else ''}"
+              f"{f', compiled ({c.compile})' if c.compile else ''}; global batch "
               f"{self.data.global_batch_size} x {c.seq_len} tokens; "
               f"data {c.data or 'synthetic'}", flush=True)
 
