@@ -177,6 +177,27 @@ def no_process_group():
     shardplan.parallelize(MLP(), tp=2, example_inputs=torch.zeros(2, 8))
 
 
+@bad(ConfigurationError, "compile=", "process group", "compile=False")
+def compile_on_simulated_ranks():
+    parallelized(MLP(), 2, compile="aot_eager", example_inputs=torch.zeros(2, 8))
+
+
+@bad(ConfigurationError, "fsdp needs a device mesh", "no mesh", "ParallelDims")
+def fsdp_without_a_mesh():
+    parallelized(MLP(), 2, fsdp=True, example_inputs=torch.zeros(2, 8))
+
+
+@bad(ConfigurationError, "sequence length 7", "tp=2", "sequence_parallel=False")
+def sequence_length_not_dividing_tp():
+    model = gpt()
+
+    def rank(ctx):
+        sharded = shardplan.parallelize(copy.deepcopy(model), group=ctx.group,
+                                        example_inputs=IDS, sequence_parallel=True)
+        sharded(torch.zeros(2, 7, dtype=torch.long))
+    on_ranks(2, rank)
+
+
 # --------------------------------------------------------------------------- capture
 
 @bad(CaptureError, "DataDependent", "planner_models.py:", "if x.sum() > 0",
