@@ -37,13 +37,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as benchmarks.step_time
 import torch  # noqa: E402
 
 from ._common import med, parser, section_head, spread, write_doc  # noqa: E402
-from .step_time import BATCH, HEADS, LAYERS, SEQ, VOCAB, _Contender, _model_and_batch  # noqa: E402
+from .step_time import (BATCH, HEADS, LAYERS, SEQ, VOCAB, _STATE, _Contender,  # noqa: E402
+                        _model_and_batch, _round)
 
 HEADING = "## Training-step time under torch.compile, tp=2 on gloo"
 COMMAND = "python -m benchmarks.compile_step"
 CONTENDERS = ["shardplan, compiled", "shardplan", "DTensor, compiled", "manual"]
-
-_STATE: dict = {}  # per worker process: the contenders of the current size
 
 
 def _setup(ctx, n_embd: int) -> dict:
@@ -82,16 +81,6 @@ def _setup(ctx, n_embd: int) -> dict:
         dist.barrier()
         first[name] = c.step(idx, tgt)["step"]
     return first
-
-
-def _round(ctx, order: list[str]) -> dict:
-    """On each worker: one step of every contender, each after a barrier."""
-    import torch.distributed as dist
-    out = {}
-    for name in order:
-        dist.barrier()
-        out[name] = _STATE["contenders"][name].step(_STATE["idx"], _STATE["tgt"])
-    return out
 
 
 def measure(n_embd: int, steps: int, warmup: int, ranks) -> tuple[dict, dict]:
