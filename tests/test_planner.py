@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from hypothesis import HealthCheck, Phase, given, settings
@@ -19,6 +21,9 @@ from planner_cases import (batch, make_model, real_rank_count_step, reference,
 
 ATOL = 2e-5
 
+
+# a fixed sample in CI; SHARDPLAN_FUZZ_RANDOM=1 draws new examples (as tests/test_fuzz.py)
+RANDOM = os.environ.get("SHARDPLAN_FUZZ_RANDOM", "") not in ("", "0")
 
 @st.composite
 def configs(draw):
@@ -47,6 +52,7 @@ def configs(draw):
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow],
+          derandomize=not RANDOM, database=None,
           phases=[Phase.explicit, Phase.reuse, Phase.generate])  # shrinking: minutes of exports
 @given(configs())
 def test_sharded_equals_unsharded_simulated(case):
@@ -62,6 +68,8 @@ def test_sharded_equals_unsharded_simulated(case):
     for rank, r in enumerate(results):  # gather_output=False: this rank's vocabulary slice
         n = _real(cfg["vocab_size"], rank, tp) if sharded_head else cfg["vocab_size"]
         want = vocab_shard.slice(logits, rank, tp) if sharded_head else logits
+        if sp and r[0].shape[1] != t:  # the head kept replicated: logits on this rank's tokens
+            want = want.chunk(tp, 1)[rank]
         torch.testing.assert_close(r[0].narrow(-1, 0, n), want.narrow(-1, 0, n),
                                    atol=2e-5, rtol=1e-4)
         torch.testing.assert_close(r[1], loss, atol=2e-5, rtol=1e-4)
