@@ -245,3 +245,60 @@ def test_exports_run_right_in_transformers_or_are_refused(real_ranks, tmp_path):
     for rank, got in enumerate(real_ranks(2).run(_hf_runtime_step, runs, idx)):
         for family, g, w in zip(families, got, want):
             torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-4, msg=f"{family} rank {rank}")
+
+
+def _dtensor_sp_step(ctx, model, idx, styles_plan):
+    """On each rank: the exported sequence-parallel styles on a copy, one forward/backward."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (ctx.world_size,))
+    m = copy.deepcopy(model)
+    parallelize_with_dtensor(m, mesh, styles_plan)
+    out = m(input_ids=idx, labels=idx)
+    out.loss.backward()
+    grads = {n: _full(p.grad).detach().clone() for n, p in m.named_parameters()}
+    return _full(out.logits).detach(), _full(out.loss).detach(), grads
+
+
+@pytest.mark.real
+@pytest.mark.timeout(120)
+def test_sequence_parallel_plan_exports_dtensor_sp_styles_on_two_gloo_ranks(real_ranks):
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    llama = _hf("llama")
+    plan = shardplan.plan(llama, 2, sequence_parallel=True)
+    assert plan.sequence_parallel
+    styles = to_dtensor_plan(plan, model=llama)
+    kinds = {k: (type(v).__name__, getattr(v, "input_layouts", None), getattr(v, "output_layouts", None))
+             for k, v in styles.items()}
+    assert kinds["model.embed_tokens"] == ("RowwiseParallel", (Replicate(),), (Shard(1),))
+    assert kinds["model.layers.0.self_attn.q_proj"][:2] == ("ColwiseParallel", (Shard(1),))
+    assert kinds["model.layers.1.mlp.down_proj"] == ("RowwiseParallel", (Shard(-1),), (Shard(1),))
+    for norm in ("model.layers.0.input_layernorm", "model.layers.1.post_attention_layernorm", "model.norm"):
+        assert isinstance(styles[norm], SequenceParallel), norm
+    assert isinstance(styles["lm_head"], ColwiseParallel)
+    assert styles["lm_head"].input_layouts == (Shard(1),) and styles["lm_head"].output_layouts == (Replicate(),)
+    assert not any(isinstance(v, RowwiseParallel) and v.output_layouts == (Replicate(),)
+                   for k, v in styles.items() if k != "model.embed_tokens")
+
+    idx = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    logits, loss, grads = _reference(llama, idx, hf=True)
+    for rank, (got_logits, got_loss, got_grads) in enumerate(real_ranks(2).run(_dtensor_sp_step, llama, idx,
+                                                                                 plan)):
+        msg = f"rank {rank}"
+        torch.testing.assert_close(got_logits, logits, atol=2e-5, rtol=1e-4, msg=msg)
+        torch.testing.assert_close(got_loss, loss, atol=2e-5, rtol=1e-4, msg=msg)
+        assert set(got_grads) == set(grads), msg
+        for name, g in grads.items():
+            torch.testing.assert_close(got_grads[name], g, atol=2e-5, rtol=1e-4, msg=f"{msg} {name}")
+
+
+def test_sequence_parallel_fallback_without_a_style_is_named():
+    llama = _hf("llama")
+    plan = shardplan.plan(llama, 2, sequence_parallel=True)
+    c = next(c for c in plan.collectives if str(c.purpose) == "seq_gather")
+    fake = c.model_copy(update={"purpose": "seq_unshard", "module": "model.layers.1.input_layernorm"})
+    broken = plan.model_copy(update={"collectives": [*plan.collectives, fake]})
+    with pytest.raises(shardplan.LayoutError, match=r"model\.layers\.1\.input_layernorm.*seq_unshard"):
+        to_dtensor_plan(broken, model=llama)

@@ -14,6 +14,16 @@ vocab_embedding             ``RowwiseParallel(input_layouts=Replicate())``
 replicated / no decision    (no entry: the module stays as it is)
 ==========================  ==================================================
 
+A sequence-parallel plan (``Plan.sequence_parallel``) exports torchtitan's layout:
+the embedding ``RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))``,
+row layers that reduce-scatter ``RowwiseParallel(output_layouts=Shard(1))``, column
+layers ``ColwiseParallel(input_layouts=Shard(1))`` (they all-gather their tokens) and
+``SequenceParallel()`` for the leaf modules run on tokens (norms, dropout). The
+residual stream stays a DTensor ``Shard(1)`` between modules, so the model's code
+reads the global sequence length from it. A ``seq_unshard`` fallback inside a leaf
+module raises ``LayoutError``; one in the model's own code between modules is a note
+(DTensor's op rule redistributes there, e.g. HF's ``logits_to_keep`` slice).
+
 ``to_hf_tp_plan(plan)`` gives the same as Hugging Face ``tp_plan`` strings
 ("colwise", "rowwise", "embedding_rowwise", "colwise_gather_output",
 "packed_colwise", "packed_rowwise"), keyed by module paths with ``*`` for the
@@ -115,6 +125,20 @@ def _analyse(plan, target: str, model=None) -> tuple[OrderedDict, list[ExportIss
     for c in plan.collectives:
         if c.purpose == "gather_output" and c.module in mods:
             mods[c.module].gathered = True
+    if target == "dtensor" and getattr(plan, "sequence_parallel", False):
+        for c in plan.collectives:
+            if c.purpose in _SP_SPELLED or not str(c.purpose).startswith("seq_") or \
+                    any(i.module == c.module and i.fatal for i in issues):
+                continue
+            if model is not None and _in_model_code(model, c.module):
+                # an op of the model's own code between modules, on the DTensor Shard(1)
+                # residual stream the export keeps: DTensor's sharding propagation gathers it
+                issues.append(ExportIssue(c.module or "(model)", "S(1)", f"sequence-parallel {c.purpose} at "
+                                          f"{c.source or c.node}: no style; DTensor's own op rule "
+                                          "redistributes the Shard(1) tensor there", fatal=False))
+                continue
+            issues.append(ExportIssue(c.module or "(model)", "S(1)", f"sequence-parallel {c.purpose} "
+                                      f"({c.kind}) at {c.source or c.node}: no DTensor style spells it"))
 
     for m in mods.values():
         weight = m.params.get("weight")
@@ -212,6 +236,35 @@ def _check_module_type(model, m: _Module, issues: list) -> None:
                                   f"{type(mod).__name__} is not an nn.{want.__name__}: the style cannot "
                                   "shard it"))
         m.style = None
+
+
+# sequence-parallel collectives the DTensor styles spell: the embedding's / a row layer's
+# reduce-scatter (output_layouts=Shard(1)), a column layer's all-gather of its tokens
+# (input_layouts=Shard(1)) with its backward re-gather, the replicated norm weights' grad all-reduce
+_SP_SPELLED = {"seq_scatter", "seq_gather", "seq_regather", "seq_grad"}
+
+
+def _in_model_code(model, path: str) -> bool:
+    """Whether ``path`` names a module with children (its own code runs between styled modules)."""
+    try:
+        mod = model.get_submodule(path)
+    except AttributeError:
+        return False
+    return any(True for _ in mod.children())
+
+
+def _sp_leaves(plan, model) -> list[str]:
+    """Leaf modules (norms, dropout) the plan runs on this rank's tokens: ``SequenceParallel()``."""
+    seen = dict.fromkeys(d.module for d in plan.decisions if getattr(d, "sequence", False) and d.module)
+    out = []
+    for path in seen:
+        try:
+            mod = model.get_submodule(path)
+        except AttributeError:
+            continue
+        if not any(True for _ in mod.children()):
+            out.append(path)
+    return out
 
 
 # styles whose module hands the model's code a local slice of its output / takes one as input
@@ -371,13 +424,17 @@ def to_dtensor_plan(plan, *, model, local_output: bool = True, example_inputs=No
     ``export_issues``).
     """
     from torch.distributed.tensor import Replicate as DReplicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torch.distributed.tensor import Shard as DShard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
     _need(model)
     mods, issues = _analyse(plan, "dtensor", model)
     if local_output and not any(i.fatal for i in issues):
         issues += _runtime_issues(plan, mods, model, example_inputs)
     _raise(issues, "dtensor")
+    if getattr(plan, "sequence_parallel", False):
+        return _sp_styles(plan, mods, model, local_output, DReplicate, DShard, ColwiseParallel,
+                          RowwiseParallel, SequenceParallel)
     out = {}
     for m in mods.values():
         if m.style == "column":
@@ -388,6 +445,45 @@ def to_dtensor_plan(plan, *, model, local_output: bool = True, example_inputs=No
             out[m.path] = RowwiseParallel()
         elif m.style == "embedding":
             out[m.path] = RowwiseParallel(input_layouts=DReplicate())
+    return out
+
+
+def _sp_styles(plan, mods, model, local_output, DReplicate, DShard, ColwiseParallel, RowwiseParallel,
+               SequenceParallel) -> dict:
+    """Styles for a sequence-parallel plan (torchtitan's ``enable_sequence_parallel`` layout).
+
+    The residual stream stays a DTensor ``Shard(1)`` between modules (embedding,
+    row layers and norms keep DTensor outputs), so the model's own code reads the
+    global sequence length (positions, masks) from it; column layers all-gather
+    their tokens (``input_layouts=Shard(1)``) and hand the code local slices as
+    without sequence parallelism.
+    """
+    scatters = {c.module for c in plan.collectives if str(c.purpose) == "seq_scatter"}
+    gathers = any(str(c.purpose) == "seq_gather" for c in plan.collectives)
+    out = {}
+    for path in _sp_leaves(plan, model):
+        if path not in mods:
+            out[path] = SequenceParallel()
+    bad = []
+    for m in mods.values():
+        tokens_in = DShard(1) if gathers else DReplicate()
+        if m.style == "column":
+            out[m.path] = ColwiseParallel(input_layouts=tokens_in, use_local_output=local_output)
+        elif m.style == "column_gather":
+            out[m.path] = ColwiseParallel(input_layouts=tokens_in, output_layouts=DReplicate())
+        elif m.style == "row":
+            if m.path not in scatters:
+                bad.append(ExportIssue(m.path, "P", "a row layer whose sum the plan all-reduces inside a "
+                                       "sequence-parallel plan: no style spells the Replicate->Shard(1) step"))
+                continue
+            out[m.path] = RowwiseParallel(output_layouts=DShard(1), use_local_output=False)
+        elif m.style == "embedding":
+            if m.path in scatters:
+                out[m.path] = RowwiseParallel(input_layouts=DReplicate(), output_layouts=DShard(1),
+                                              use_local_output=False)
+            else:
+                out[m.path] = RowwiseParallel(input_layouts=DReplicate())
+    _raise(bad, "dtensor")
     return out
 
 
