@@ -95,7 +95,7 @@ def block_theory(sz: dict, tp: int, sp: bool) -> int:
     projection's input) sbh, GELU input and output 8sbh, all split; LayerNorm mean
     and 1/std 4sb (split with SP); the attention's log-sum-exp a·s·b, split.
     """
-    s, b, h, a, t = sz["seq"], sz["batch"], sz["h"], sz["heads"], tp
+    s, b, a, t = sz["seq"], sz["batch"], sz["heads"], tp
     sb, sbh = s * b, s * b * sz["h"]
     if sp:
         return 4 * (16 * sbh + 4 * sb + a * sb) // t
@@ -105,8 +105,7 @@ def block_theory(sz: dict, tp: int, sp: bool) -> int:
 def paper(sz: dict, tp: int, sp: bool) -> float:
     """Korthikanti et al. 2022, bytes per layer at 16 bits, with dropout."""
     s, b, h, a, t = sz["seq"], sz["batch"], sz["h"], sz["heads"], tp
-    sbh = s * b * h
-    return sbh * ((34 / t if sp else 10 + 24 / t) + 5 * a * s / (h * t))
+    return s * b * h * ((34 / t if sp else 10 + 24 / t) + 5 * a * s / (h * t))
 
 
 def memory(sz: dict, tps) -> dict:
@@ -310,7 +309,10 @@ def main(argv=None) -> int:
         "`torch.autograd.graph.saved_tensors_hooks`, counting each storage autograd saves for "
         "backward once, parameters and buffers left out; each model is built with 1 and 2 layers "
         "and the difference is one block's bytes (the rest, outside the blocks: embedding, final "
-        "norm, LM head, loss).", "",
+        "norm, LM head, loss). Outside the blocks SP shrinks the bytes where the plan keeps "
+        "the head vocabulary-sharded on the sequence shard (long-sequence size), not where it "
+        "keeps the head replicated on the gathered sequence (wide-hidden size, vocabulary 256: "
+        "the outside part is the same as plain's).", "",
         "The paper (Korthikanti et al. 2022, \"Reducing Activation Recomputation in Large "
         "Transformer Models\") counts, per layer at 16 bits with dropout, "
         "sbh(10 + 24/t + 5as/(ht)) bytes without SP and sbh(34/t + 5as/(ht)) with it. Its 34 "
