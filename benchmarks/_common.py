@@ -35,6 +35,16 @@ def measured_line(load_before, load_after) -> str:
             "shared: a load near or above the core count means the times include contention).")
 
 
+def command_line(command: str, options: dict) -> str:
+    """``command`` with each option that differs from its default: ``{flag: (value, default)}``
+    (a list value is written space-separated)."""
+    for flag, (value, default) in options.items():
+        if value != default:
+            shown = " ".join(map(str, value)) if isinstance(value, list) else value
+            command += f" {flag} {shown}"
+    return command
+
+
 def section_head(heading: str, command: str, load_before, load_after) -> list[str]:
     """The opening lines every benchmark section shares: how to reproduce it, and where."""
     return [heading, "",

@@ -36,7 +36,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as benchmarks.step_time
 
 import torch  # noqa: E402
 
-from ._common import med, parser, section_head, spread, write_doc  # noqa: E402
+from ._common import command_line, med, parser, section_head, spread, write_doc  # noqa: E402
 from .step_time import (BATCH, HEADS, LAYERS, SEQ, VOCAB, _STATE, _Contender,  # noqa: E402
                         _model_and_batch, _round)
 
@@ -178,13 +178,8 @@ def main(argv=None) -> int:
         print(f"PROBLEM: losses differ from the manual run: {', '.join(diverged)}", file=sys.stderr)
     if args.quick or args.no_write:
         return 1 if diverged else 0
-    cmd = COMMAND
-    if sizes != [256, 512]:
-        cmd += " --sizes " + " ".join(map(str, sizes))
-    if steps != 10:
-        cmd += f" --steps {steps}"
-    if warmup != 2:
-        cmd += f" --warmup {warmup}"
+    cmd = command_line(COMMAND, {"--sizes": (sizes, [256, 512]), "--steps": (steps, 10),
+                                 "--warmup": (warmup, 2)})
     section = "\n".join(section_head(HEADING, cmd, load_before, load_after) + [
         "The model, batch and optimizer of the training-step section above; two gloo processes, "
         "one torch thread each. Contenders: `shardplan, compiled` (`parallelize(..., "

@@ -45,7 +45,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from ._common import measured_line, med, parser, spread, write_doc
+from ._common import command_line, measured_line, med, parser, spread, write_doc
 
 HEADING = "## Training-step time, tp=2 on gloo"
 COMMAND = "python -m benchmarks.step_time"
@@ -271,11 +271,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
     if args.quick or args.no_write:
         return 1 if diverged else 0
-    cmd = COMMAND
-    if sizes != [256, 512]:
-        cmd += " --sizes " + " ".join(map(str, sizes))
-    if steps != 10:
-        cmd += f" --steps {steps}"
+    cmd = command_line(COMMAND, {"--sizes": (sizes, [256, 512]), "--steps": (steps, 10)})
     section = "\n".join([
         HEADING, "",
         "Reproduce from the repository root (writes this section; `--quick` for a short check "

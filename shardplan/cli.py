@@ -76,14 +76,17 @@ def _hf_model(path: str, *, meta: bool) -> nn.Module:
         return cls(config)
 
 
-def _tp(text: str) -> int:
-    try:
-        tp = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if tp < 1:
-        raise argparse.ArgumentTypeError(f"tp must be at least 1, got {tp}")
-    return tp
+def _positive(name: str):
+    """The argparse type of a size argument called ``name``: an integer of at least 1."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if n < 1:
+            raise argparse.ArgumentTypeError(f"{name} must be at least 1, got {n}")
+        return n
+    return parse
 
 
 _RULES_HELP = "the rule set: a bundled name or a .toml rule file (default: megatron)"
@@ -155,7 +158,7 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="print the plan for TARGET at --tp (built on meta: no memory)")
     p.add_argument("target", metavar="TARGET")
-    p.add_argument("--tp", type=_tp, required=True, help="tensor-parallel size")
+    p.add_argument("--tp", type=_positive("tp"), required=True, help="tensor-parallel size")
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON to FILE")
     p.add_argument("--html", metavar="FILE",
                    help="also write the plan as a self-contained HTML page to FILE")
@@ -165,9 +168,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sequence-parallel", action="store_true", help=_SP_HELP)
     p.add_argument("--rules", default="megatron", metavar="RULES", help=_RULES_HELP)
     m = p.add_argument_group("training memory (estimated when --batch and --seq are given)")
-    m.add_argument("--batch", type=_tp, help="sequences per rank per step")
-    m.add_argument("--seq", type=_tp, help="sequence length")
-    m.add_argument("--dp", type=_tp, default=1, help="data-parallel size (default 1)")
+    m.add_argument("--batch", type=_positive("batch"), help="sequences per rank per step")
+    m.add_argument("--seq", type=_positive("seq"), help="sequence length")
+    m.add_argument("--dp", type=_positive("dp"), default=1, help="data-parallel size (default 1)")
     m.add_argument("--fsdp", action="store_true",
                    help="shard parameters, gradients and optimizer state over dp (FSDP2)")
     m.add_argument("--recompute", action="store_true", help="recompute every block in backward")
@@ -180,7 +183,7 @@ def parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify",
                        help="check sharded == unsharded on simulated CPU ranks (exit 1 if not)")
     v.add_argument("target", metavar="TARGET")
-    v.add_argument("--tp", type=_tp, required=True, help="tensor-parallel size")
+    v.add_argument("--tp", type=_positive("tp"), required=True, help="tensor-parallel size")
     v.add_argument("--sequence-parallel", action="store_true", help=_SP_HELP)
     v.add_argument("--rules", default="megatron", metavar="RULES", help=_RULES_HELP)
     v.set_defaults(run=_cmd_verify)
@@ -196,7 +199,7 @@ def parser() -> argparse.ArgumentParser:
     from . import generate_cli
     g = sub.add_parser("generate", help="generate from TARGET (or an HF save_pretrained folder) "
                                         "sharded at --tp, on simulated ranks or under torchrun")
-    generate_cli.add_arguments(g, _tp)
+    generate_cli.add_arguments(g, _positive("tp"))
     g.set_defaults(run=generate_cli.run)
 
     from .train import demo
