@@ -131,13 +131,15 @@ def test_saved_activations_hold_only_tokens():
     again in backward) where the plain plan keeps the whole norm output."""
     model, args = _bundled("gpt-tiny")
     h, L, tp = model.config.n_embd, model.config.n_layer, 2
-    (sp_bytes, sp_shapes) = _run(model, args, {}, tp, True)[0][7]
-    (plain_bytes, plain_shapes) = _run(model, args, {}, tp, False)[0][7]
-    assert (B, T, h) in plain_shapes
-    assert (B, T, h) not in sp_shapes, sorted(sp_shapes)
-    assert (B, T // tp, h) in sp_shapes
-    # per layer the plain plan keeps (at least) both norms' inputs and outputs whole
-    assert plain_bytes - sp_bytes >= L * 4 * B * T * h * 4 * (1 - 1 / tp), (sp_bytes, plain_bytes)
+    sp_runs, plain_runs = _run(model, args, {}, tp, True), _run(model, args, {}, tp, False)
+    for sp_rank, plain_rank in zip(sp_runs, plain_runs):  # every rank
+        (sp_bytes, sp_shapes), (plain_bytes, plain_shapes) = sp_rank[7], plain_rank[7]
+        assert (B, T, h) in plain_shapes
+        assert (B, T, h) not in sp_shapes, sorted(sp_shapes)
+        assert (B, T // tp, h) in sp_shapes
+        # per layer the plain plan keeps (at least) both norms' inputs and outputs whole
+        assert plain_bytes - sp_bytes >= L * 4 * B * T * h * 4 * (1 - 1 / tp), (sp_bytes,
+                                                                                 plain_bytes)
 
 
 @pytest.mark.parametrize("recompute,dtype", [(True, torch.float32), (False, torch.bfloat16)])
@@ -157,8 +159,9 @@ def test_bf16_autocast():
     cap = capture(model, args, {})
     sp = SimulatedRanks(2).run(autocast_step, model, args, cap, True)
     plain = SimulatedRanks(2).run(autocast_step, model, args, cap, False)
-    assert sp[0][1] == {torch.float32}
-    assert sp[0][0] == pytest.approx(plain[0][0], rel=1e-2)
+    for rank_sp, rank_plain in zip(sp, plain):  # every rank
+        assert rank_sp[1] == {torch.float32}
+        assert rank_sp[0] == pytest.approx(rank_plain[0], rel=1e-2)
 
 
 def test_sequence_first_model():
