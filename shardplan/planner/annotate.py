@@ -42,6 +42,7 @@ from .kinds import KINDS, Conflict, Context, Outcome, Role
 from .kinds.base import any_sharded, replicated_like
 from .kinds.factors import labels
 from .reshape import keeps_last_dim
+from .choices import DISTRIBUTED, REPLICATED, Choice, cost_of
 from .rules import RuleSet
 from .transitions import Collective, Purpose, Transition, dtype_of, message
 
@@ -68,6 +69,9 @@ class Annotation:
     scattered: dict = field(default_factory=dict)
     gathered: dict = field(default_factory=dict)
     seq_dims: dict = field(default_factory=dict)
+    # reduction run in distributed form -> the openers of the region it reduces
+    distributed: dict = field(default_factory=dict)
+    choices: list = field(default_factory=list)  # [choices.Choice], one per weighed region
 
     def read(self, node: fx.Node, consumer: fx.Node | None = None, path=None):
         """The layout ``consumer`` reads of ``node`` (after its g, scatter or gather)."""
@@ -94,7 +98,31 @@ def annotate(gm: fx.GraphModule, tp: int, rules: RuleSet, *, strict: bool = Fals
     ``keep`` (parameter target -> layout, from an earlier capture of the same
     model) keeps replicated every opener whose weight it holds replicated:
     one model has one layout, however it is called.
+
+    A region reaching a reduction over its split dim that the rules can run
+    distributed is planned both ways, and the cheaper kept (``choices``):
+    distributed, or stopped there with its openers replicated.
     """
+    settle = lambda whole: _settle(gm, tp, rules, strict, sequence_parallel, keep, whole)  # noqa: E731
+    ann, whole, choices = settle(frozenset()), frozenset(), []
+    regions: dict = {}  # openers -> the reductions over their split dim
+    for node, origins in ann.distributed.items():
+        regions.setdefault(origins, []).append(node)
+    for nodes in regions.values():
+        if not all(n in ann.distributed for n in nodes):  # gone with an earlier choice
+            continue
+        alt = settle(whole | set(nodes))
+        costs = {DISTRIBUTED: cost_of(ann), REPLICATED: cost_of(alt)}
+        chosen = REPLICATED if costs[REPLICATED].total < costs[DISTRIBUTED].total else DISTRIBUTED
+        choices.append(Choice(tuple(nodes), chosen, costs))
+        if chosen == REPLICATED:
+            ann, whole = alt, whole | set(nodes)
+    ann.choices = choices
+    return ann
+
+
+def _settle(gm, tp, rules, strict, sequence_parallel, keep, whole) -> Annotation:
+    """``annotate`` with the reductions ``whole`` kept from running distributed."""
     params = dict(gm.named_parameters(remove_duplicate=False))
     # opener -> (reason, warn)
     disabled: dict = _kept_replicated(gm, rules, keep) if keep is not None else {}
@@ -102,7 +130,7 @@ def annotate(gm: fx.GraphModule, tp: int, rules: RuleSet, *, strict: bool = Fals
     seq_dims = sequence_dims(gm) if sequence_parallel else {}
     while True:
         ann, conflicts = _Pass(gm, tp, rules, params, disabled,
-                               {o: r for o, (r, _) in replicas.items()}, seq_dims).run()
+                               {o: r for o, (r, _) in replicas.items()}, seq_dims, whole).run()
         if not conflicts:
             break
         retry = False
@@ -144,9 +172,10 @@ def read_as(lay):
 
 
 class _Pass:
-    def __init__(self, gm, tp, rules: RuleSet, params, disabled, replicas, seq_dims):
+    def __init__(self, gm, tp, rules: RuleSet, params, disabled, replicas, seq_dims, whole):
         self.gm, self.tp, self.rules, self.params, self.disabled = gm, tp, rules, params, disabled
-        self.ctx = Context(tp, rules)
+        self.ctx = Context(tp, rules, whole)
+        self.distributed: dict = {}
         self.replicas = replicas
         self.seq_dims = seq_dims  # empty unless sequence parallel
         self.scattered: dict = {}
@@ -165,7 +194,7 @@ class _Pass:
         ann = Annotation(self.gm, self.tp, self.layouts, self.outcomes,
                          {t: lay for t, (lay, _) in self.param_layouts.items()},
                          self.grad, {}, [], self.rules, [],
-                         self.scattered, self.gathered, self.seq_dims)
+                         self.scattered, self.gathered, self.seq_dims, self.distributed)
         return ann, self.conflicts
 
     # ----------------------------------------------------------------- per node
@@ -193,10 +222,12 @@ class _Pass:
         self.outcomes[node] = outcome
         self.layouts[node] = outcome.out
         dims = self.seq_dims.get(node, ())
-        if isinstance(outcome.out, Partial) and len(dims) == 1:
+        if isinstance(outcome.out, Partial) and len(dims) == 1 and outcome.role is not Role.DISTRIBUTED:
             self.scattered[node] = Shard(next(iter(dims)))
         if outcome.role is Role.COLUMN:
             origins = origins | {node}
+        elif outcome.role is Role.DISTRIBUTED:
+            self.distributed[node] = origins
         self.origins[node] = origins if any_sharded(read_as(outcome.out)) else frozenset()
 
     def _params_needed(self, node, ins, outcome: Outcome, origins) -> None:
@@ -547,7 +578,8 @@ def _transitions(ann: Annotation) -> list[Transition]:
                 shared(Purpose.SEQ_GRAD, bias, (node, o.bias), before=R, after=R,
                        forward=Collective.NONE, backward=Collective.ALL_REDUCE)
         elif isinstance(o.out, Partial):
-            out.append(Transition(Purpose.G, node, tuple((u, None) for u in node.users),
+            purpose = Purpose.STAT if o.role is Role.DISTRIBUTED else Purpose.G
+            out.append(Transition(purpose, node, tuple((u, None) for u in node.users),
                                   Partial(), R, Collective.ALL_REDUCE, Collective.NONE,
                                   (message(node),), dtype_of(node)))
     output = next(n for n in ann.gm.graph.nodes if n.op == "output")

@@ -69,7 +69,7 @@ class _Rewriter:
         self.after: dict = {}  # annotated node -> its G (or sequence scatter) transition
         self.gathers: list[Transition] = []
         for t in ann.transitions:
-            if t.purpose in (Purpose.G, Purpose.SEQ_SCATTER):
+            if t.purpose in (Purpose.G, Purpose.SEQ_SCATTER, Purpose.STAT):
                 self.after[t.src] = t
             elif t.purpose is Purpose.GATHER_OUTPUT:
                 self.gathers.append(t)
@@ -111,6 +111,7 @@ class _Rewriter:
             if regather is not None:
                 node = self.env[orig] = self._keep_shard(node, *regather)
             self._rewrite_sizes(orig, node)
+            node = self.env[orig] = self._local_form(orig, node)
             self._stride_safe(orig, node, out)
             node = self._model_parallel_rng(orig, node, out)
             if out.role is Role.VOCAB_EMBEDDING:
@@ -169,7 +170,8 @@ class _Rewriter:
             mod = self._module("seq_scatter",
                                ScatterToSequence(self.group, t.after.dim, self._site(node)))
         else:
-            mod = self._module("g", ReduceFromRegion(self.group, self._site(node)))
+            mod = self._module("g" if t.purpose is Purpose.G else t.purpose.value,
+                               ReduceFromRegion(self.group, self._site(node)))
         with self.graph.inserting_after(node):
             g = self.graph.call_module(mod, (node,))
         last = g
@@ -268,6 +270,17 @@ class _Rewriter:
         local = KINDS[kind].local_args(node, src, self.ann.layouts.get(orig), self.group.size, divide)
         for name, value in local.items():
             set_arg(node, name, value)
+
+    def _local_form(self, orig: fx.Node, node: fx.Node) -> fx.Node:
+        """What the op's kind adds for it to give this rank's part (``Kind.local_form``)."""
+        if not orig.args or not isinstance(orig.args[0], fx.Node):
+            return node
+        src = self.ann.read(orig.args[0], orig, (0,))
+        kind = self.ann.rules.kind(op_name(orig))
+        if not isinstance(src, Shard) or kind is None:
+            return node
+        return KINDS[kind].local_form(node, src, self.ann.layouts.get(orig), self.group.size,
+                                      self.graph)
 
     def _stride_safe(self, orig: fx.Node, node: fx.Node, out) -> None:
         """A view of a tensor that is not whole here becomes a reshape.

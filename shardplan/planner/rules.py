@@ -15,6 +15,7 @@ import re
 import sys
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -91,6 +92,9 @@ class Einsum(_Strict):
 
 class Reduce(_Strict):
     dim: str  # "N" (argument N holds the dims), "last:N", or "all"
+    # over a split dim: "sum" (this rank's sum is a summand of the whole one) or "mean"
+    # (this rank's mean over 1/tp of the elements, divided by tp, is one); None: not linear
+    distributed: Literal["sum", "mean"] | None = None
 
     @field_validator("dim")
     @classmethod

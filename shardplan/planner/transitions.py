@@ -18,6 +18,7 @@ purpose                 before -> after  forward      backward      Megatron
 ``SEQ_UNSHARD``         S(seq) -> R    all_gather   local_slice   (gather, fallback)
 ``SEQ_GRAD``            R -> R         none         all_reduce    sequence-parallel grad sum
 ``SEQ_REGATHER``        S(seq) -> R    none         all_gather    linear keeps the shard
+``STAT``                P -> R         all_reduce   none          (distributed reduction)
 ======================  =============  ===========  ============  ==========
 
 (*) a split of a tensor that needs a gradient follows an ``F``, whose
@@ -33,6 +34,10 @@ gradient covers only its tokens, so it is summed over the ranks, once.
 ``SEQ_REGATHER``: a linear reading a ``SEQ_GATHER`` keeps only this rank's
 tokens for backward and all-gathers them again for its weight's gradient,
 so the gathered input is not held until backward (Megatron's choice).
+``STAT`` is ``G`` for a reduction over a split dim (a norm's mean of squares
+over all heads): each rank reduces its part, and the small result (b*s
+numbers) is summed; where the whole statistic then meets the parts again,
+its gradient is summed by an ordinary ``F``.
 """
 
 from __future__ import annotations
@@ -81,6 +86,7 @@ class Purpose(StrEnum):
     SEQ_UNSHARD = "seq_unshard"  # the ranks' tokens gathered for an op needing them all
     SEQ_GRAD = "seq_grad"  # a replicated tensor read per token: sum its gradient
     SEQ_REGATHER = "seq_regather"  # a linear's gathered input gathered again in backward
+    STAT = "stat"  # a reduction over a split dim: the ranks' partial results summed
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,12 @@
 """What every rule kind is, and what its rule returns.
 
-A kind is a small object that knows four things about the ops listed under
+A kind is a small object that knows five things about the ops listed under
 it in a rule file: which ATen overloads it can read (``reads``), the layout
 rule (operand layouts -> output layout and the layouts it needs of its
 operands, ``rule``), the cuts it makes along a dim (``cuts``: where a fused
 output is split downstream) and how its size arguments change for one
-rank's shard (``local_args``). Arguments are read by schema name
+rank's shard (``local_args``), and what else one rank's op needs to give its
+part of the result (``local_form``: a mean over a split dim divides by tp). Arguments are read by schema name
 (``graph.args_of``), never by position or op-name suffix.
 """
 
@@ -34,6 +35,7 @@ class Role(StrEnum):
     VOCAB_EMBEDDING = "vocab_embedding"
     VOCAB_LOSS = "vocab_loss"
     REPLICATED = "replicated"  # an opener kept replicated (a conflict downstream)
+    DISTRIBUTED = "distributed_reduce"  # reduces a split dim locally: output partial
 
 
 @dataclass
@@ -62,10 +64,12 @@ class Outcome:
 
 @dataclass(frozen=True)
 class Context:
-    """What a rule may know beyond its node: tp and the rule set."""
+    """What a rule may know beyond its node: tp, the rule set, and the reductions the
+    planner chose to keep whole (their regions replicated) rather than distribute."""
 
     tp: int
     rules: object  # RuleSet
+    whole: frozenset = frozenset()  # reduction nodes not to run in distributed form
 
     def kind_of(self, node: fx.Node) -> str | None:
         return self.rules.kind(op_name(node))
@@ -94,6 +98,11 @@ class Kind:
     def local_args(self, node: fx.Node, src: Shard, out, tp: int, divide: Divide) -> dict:
         """Argument name -> this rank's value, for an input sharded as ``src``."""
         return {}
+
+    def local_form(self, node: fx.Node, src: Shard, out, tp: int, graph: fx.Graph) -> fx.Node:
+        """The node computing this rank's ``out`` from ``node`` (run on an input sharded
+        as ``src``); ops that mean the same on a part return ``node`` itself."""
+        return node
 
 
 KINDS: dict[str, Kind] = {}

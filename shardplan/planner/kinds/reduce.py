@@ -2,16 +2,22 @@
 
 The rule file says where the dims are: ``dim = "N"`` (argument N holds
 them), ``"last:N"`` (the last len(argument N) dims, as layer_norm's
-normalized_shape) or ``"all"``.
+normalized_shape) or ``"all"``. A reduction it marks ``distributed`` (sum,
+mean) may reduce a split dim: each rank reduces its part, and the result is
+``Partial``, all-reduced like a row-parallel output (a ``stat`` transition,
+b*s numbers for a norm's statistic). The planner decides per region whether
+that beats keeping the region replicated (``Context.whole``).
 """
 
 from __future__ import annotations
 
+import torch
+import torch.fx as fx
 
 from ..graph import args_of, op_name, shape
-from ...layouts import Shard
-from .base import R, Context, Kind, Outcome, Conflict, conflict, register, tensor_to_tensor, \
-    any_sharded, with_dim
+from ...layouts import Partial, Shard
+from .base import R, Context, Kind, Outcome, Conflict, Role, conflict, register, \
+    tensor_to_tensor, any_sharded, with_dim
 
 
 @register
@@ -25,18 +31,37 @@ class ReduceKind(Kind):
         lay = lays[(0,)]
         if not isinstance(lay, Shard):
             return conflict(node, f"{op_name(node)} on a tensor sharded only in a secondary operand")
-        rank = len(shape(node.args[0]))
-        dims = self._dims(node, ctx.rules.reduce[op_name(node)].dim, rank)
-        if lay.dim in dims:
-            return Outcome(None, conflict=Conflict(
-                node, f"{op_name(node)} reduces over the sharded dim", closes=True))
         for p in lays:
             if p != (0,) and any_sharded(lays[p]):
                 return conflict(node, f"{op_name(node)} with a sharded secondary operand")
+        spec = ctx.rules.reduce[op_name(node)]
+        rank = len(shape(node.args[0]))
+        dims = self._dims(node, spec.dim, rank)
+        if lay.dim in dims:
+            if spec.distributed and node not in ctx.whole and not lay.padded \
+                    and lay.replicas == 1:
+                return Outcome(Partial(), {p: R for p in lays if p != (0,)},
+                               role=Role.DISTRIBUTED,
+                               rule=f"distributed {spec.distributed} over the split dim "
+                                    f"{lay.dim}: local {spec.distributed}, then all-reduce")
+            return Outcome(None, conflict=Conflict(
+                node, f"{op_name(node)} reduces over the sharded dim", closes=True))
         # [B, T, C] summed over T, keepdim=False: S(2) -> S(1)
         d = lay.dim if len(shape(node)) == rank else lay.dim - sum(1 for x in dims if x < lay.dim)
         return Outcome(with_dim(lay, d), {p: R for p in lays if p != (0,)},
                        rule=f"reduce over {sorted(dims)}")
+
+    def local_form(self, node: fx.Node, src: Shard, out, tp: int, graph: fx.Graph) -> fx.Node:
+        """A mean over a split dim averages 1/tp of the elements: its summand is that / tp."""
+        if not (isinstance(out, Partial) and op_name(node) == "aten.mean.dim"):
+            return node
+        users = list(node.users)
+        with graph.inserting_after(node):
+            scaled = graph.call_function(torch.ops.aten.div.Scalar, (node, tp))
+        scaled.meta = dict(node.meta)
+        for u in users:
+            u.replace_input_with(node, scaled)
+        return scaled
 
     @staticmethod
     def _dims(node, spec: str, rank: int) -> set[int]:
