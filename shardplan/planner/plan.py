@@ -67,6 +67,18 @@ class Decision(BaseModel):
                                    "1/tp of the tokens (sequence parallelism)")
 
 
+class ChoiceEntry(BaseModel):
+    """How the reductions over one region's split dim run, and what each way costs."""
+
+    nodes: list[str]
+    module: str
+    source: str | None = None
+    chosen: str  # "distributed" | "replicated"
+    #: alternative -> {"moved": bytes per step (example inputs), "params": bytes per rank},
+    #: of the captured graph
+    costs: dict[str, dict[str, int]]
+
+
 class Memory(BaseModel):
     param_bytes_per_rank: int
     param_bytes_unsharded: int
@@ -92,6 +104,9 @@ class Plan(BaseModel):
     sequence_parallel: bool = Field(
         default=False, description="activations between the regions held on 1/tp of the "
                                    "sequence (decisions with sequence=True)")
+    choices: list[ChoiceEntry] = Field(
+        default=[], description="regions reaching a reduction over their split dim: run it "
+                                "distributed or keep the region replicated, the cheaper kept")
 
     def count(self, **match) -> int:
         return sum(1 for c in self.collectives
@@ -231,6 +246,7 @@ def build_plan(model: nn.Module, captured: Captured, ann: Annotation, ruleset: R
     params = _params(model, captured, layouts, tp, stamp)
     collectives = stamp.entries(_collectives(ann.transitions, tokens))
     decisions = stamp.entries(_decisions(ann))
+    choices = stamp.entries([_choice(c) for c in ann.choices])
     per_rank = sum(p.bytes_per_rank for p in params)
     unsharded = sum(math.prod(p.global_shape) * _itemsize(p.dtype) for p in params)
     return Plan(model=type(model).__name__, tp=tp, rules=ruleset.name, tokens=tokens,
@@ -238,7 +254,15 @@ def build_plan(model: nn.Module, captured: Captured, ann: Annotation, ruleset: R
                 warnings=list(ann.warnings),
                 memory=Memory(param_bytes_per_rank=per_rank, param_bytes_unsharded=unsharded),
                 repeated={k: list(v) for k, v in captured.truncated.items()},
-                sequence_parallel=bool(ann.seq_dims))
+                sequence_parallel=bool(ann.seq_dims), choices=choices)
+
+
+def _choice(c) -> ChoiceEntry:
+    first = c.nodes[0]
+    return ChoiceEntry(nodes=[n.name for n in c.nodes], module=module_of(first),
+                       source=source_of(first), chosen=c.chosen,
+                       costs={k: {"moved": v.moved, "params": v.params}
+                              for k, v in c.costs.items()})
 
 
 def _tokens(args, kwargs) -> int:

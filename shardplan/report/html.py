@@ -295,6 +295,8 @@ _PURPOSE = {
     "seq_unshard": ("gather·seq", "all-gather of the ranks' tokens for an op that needs the whole "
                                   "sequence (fallback)"),
     "seq_grad": ("grad·seq", "sum over ranks of the gradient of a replicated tensor read per token"),
+    "stat": ("stat", "distributed reduction: each rank reduces its part of a split dim, the small "
+                     "result is all-reduced forward"),
 }
 
 
@@ -381,7 +383,24 @@ class _Page:
             f'<tbody>{"".join(rows)}</tbody>'
             f'<tfoot><tr><td></td><td colspan="2">{len(self.plan.collectives)} collectives</td>'
             f'<td></td><td class="num">{_e(human(total))}</td></tr></tfoot></table>'
-            '</section>')
+            f'{self.choices()}</section>')
+
+    def choices(self) -> str:
+        """Reductions over a split dim: run distributed or the region kept replicated."""
+        if not self.plan.choices:
+            return ""
+        rows = "".join(
+            f'<tr class="choice-row" data-chosen="{_e(c.chosen)}" title="{_e(c.source or "")}">'
+            f'<td>{_e(c.module)}</td><td>{_e(", ".join(c.nodes))}</td><td><b>{_e(c.chosen)}</b></td>'
+            + "".join(f'<td class="num">{_e(human(c.costs[k]["moved"]))} + '
+                      f'{_e(human(c.costs[k]["params"]))}</td>' for k in ("distributed", "replicated"))
+            + '</tr>' for c in self.plan.choices)
+        return ('<h3>Reductions over a split dim</h3>'
+                '<div class="muted small">cost of each way: bytes moved per step + parameter bytes '
+                'per rank (captured graph); the cheaper is kept</div>'
+                '<table class="choices"><thead><tr><th>module</th><th>reductions</th><th>chosen</th>'
+                '<th class="num">distributed</th><th class="num">replicated</th></tr></thead>'
+                f'<tbody>{rows}</tbody></table>')
 
     @staticmethod
     def legend() -> str:

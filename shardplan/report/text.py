@@ -41,6 +41,8 @@ def render_text(plan, width: int = 100) -> str:
                      f"{per_tok:10.1f} elements/token  {human(nbytes[(direction, kind, purpose, per_tok)]):>11}")
     total = sum(c.bytes for c in plan.collectives)
     lines.append(f"  total {len(plan.collectives)} collectives, {human(total)}")
+    if plan.choices:
+        lines += _choices(plan, width)
     if plan.sequence_parallel:
         lines += _sequence(plan, width)
     lines.append("\nparameters (layout: R replicated, S(d) split on dim d, |a+b blocks, |padN padded):")
@@ -50,6 +52,20 @@ def render_text(plan, width: int = 100) -> str:
         for name, (lay, gshape, lshape) in rows:
             lines.append(_clip(f"    {name:40} {lay:14} {str(gshape):>18} -> {str(lshape)}", width))
     return "\n".join(lines)
+
+
+def _choices(plan, width: int) -> list[str]:
+    """Reductions over a split dim: distributed or the region kept replicated, with costs."""
+    lines = ["\nreductions over a split dim (*chosen; cost: bytes moved per step + parameter "
+             "bytes per rank):"]
+    rows = [(c.module or "(top level)", c) for c in plan.choices]
+    for title, group in _collapse(rows):
+        lines.append(f"  {title}")
+        for name, c in group:
+            alts = ", ".join(f"{'*' if k == c.chosen else ''}{k} {human(v['moved'])}+"
+                             f"{human(v['params'])}" for k, v in c.costs.items())
+            lines.append(_clip(f"    {name:22} {alts}", width))
+    return lines
 
 
 def _training_memory(t) -> list[str]:
