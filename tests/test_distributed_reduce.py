@@ -1,0 +1,133 @@
+"""Reductions over a split dim run distributed, and rotary over head-local dims runs
+locally: each sharded model equals the unsharded one on every rank (outputs, loss,
+gradients) and is really sharded (layouts, parameters per rank); the plan records the
+distributed reductions (stat all-reduces of b*s numbers) and what each choice cost."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shardplan
+from shardplan.layouts import Shard
+from shardplan.planner.capture import capture
+from shardplan.ranks import SimulatedRanks
+
+from checks import assert_equivalent
+from hf_cases import inputs, reference, step
+from norm_cases import FAMILIES, Attention, CenteredMLP, attention_weights, build_hf, real_step
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def _check_pattern(model, tp, weights: dict[str, str]):
+    """verify on simulated ranks, and the plan's layouts of ``weights`` (name -> layout)."""
+    x = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(1))
+    report = shardplan.verify(model, tp, example_inputs=(x,))
+    assert report.ok, str(report)
+    plan = shardplan.plan(model, tp, example_inputs=(x,))
+    assert {n: plan.param(n).layout for n in weights} == weights
+    assert not plan.warnings, plan.warnings
+    for n in weights:
+        assert plan.param(n).local_shape != plan.param(n).global_shape, n
+    return plan
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("rotary", ["interleaved", "complex"])
+def test_rotary_over_head_local_dims_is_sharded(rotary, tp):
+    """Partial interleaved rotary (slice the first dims of each head, stack/flatten, cat
+    the rest) and complex rotary (unbind pairs, polar, view_as_complex) run per head."""
+    plan = _check_pattern(Attention(rotary), tp, {"q.weight": "S(0)", "k.weight": "S(0)",
+                                                  "v.weight": "S(0)", "o.weight": "S(1)"})
+    # Megatron's one g (the input needs no gradient: no f), nothing more
+    assert [c.purpose for c in plan.collectives] == ["g"]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_norm_over_all_heads_is_distributed(tp):
+    """OLMo2's q/k RMSNorm over the whole width: each rank sums the squares of its heads,
+    one all-reduce of b*s numbers forward (and its f backward) per norm; the norm weight
+    is split with the heads."""
+    plan = _check_pattern(Attention(qk_norm=True), tp, {
+        "q.weight": "S(0)", "k.weight": "S(0)", "v.weight": "S(0)", "o.weight": "S(1)",
+        "q_norm.weight": "S(0)", "k_norm.weight": "S(0)"})
+    stats = [c for c in plan.collectives if c.purpose == "stat"]
+    assert [(c.kind, c.direction, c.elements) for c in stats] == [("all_reduce", "forward", 12)] * 2
+    assert [(c.module, c.chosen) for c in plan.choices] == [("q_norm", "distributed"),
+                                                            ("k_norm", "distributed")]
+    for c in plan.choices:  # replicating the region would hold more and move more
+        assert c.costs["replicated"]["params"] > c.costs["distributed"]["params"]
+    assert "reductions over a split dim" in plan.report()
+    assert 'class="choice-row" data-chosen="distributed"' in plan.to_html()
+    assert shardplan.Plan.from_json(plan.to_json()).choices == plan.choices
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_mean_and_sum_over_the_split_hidden_dim(tp):
+    """A mean and a sum over the MLP's split hidden dim: distributed, the MLP stays
+    column/row parallel."""
+    plan = _check_pattern(CenteredMLP(), tp, {"up.weight": "S(0)", "down.weight": "S(1)"})
+    assert plan.count(purpose="stat") == 2
+
+
+class Score(torch.nn.Module):
+    """A tiny projection averaged over its outputs: one score per token."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(4, 8)
+
+    def forward(self, x):
+        return torch.tanh(self.up(x)).mean(-1)
+
+
+def test_choice_keeps_replicated_when_distributing_costs_more():
+    """The cost decides: a mean whose distributed form would move more (one number per
+    token of a large example) than the replicated region holds (a 4x8 weight) stays
+    replicated, and the plan says so with both costs."""
+    model = Score()
+    x = torch.randn(16, 64, 4)
+    plan = shardplan.plan(model, 2, example_inputs=(x,))
+    assert plan.param("up.weight").layout == "R"
+    (c,) = plan.choices
+    assert c.chosen == "replicated"
+    assert c.costs["replicated"]["moved"] + c.costs["replicated"]["params"] < \
+        c.costs["distributed"]["moved"] + c.costs["distributed"]["params"]
+    assert shardplan.verify(model, 2, example_inputs=(x,)).ok
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_hf_family_shards_attention(kind, tp):
+    """GPT-J, Cohere, GLM, Helium (interleaved / partial rotary) and OLMo2 (q/k norm over
+    all heads): every rank's logits, loss and gradients equal HF's own, q/k/v are column
+    and o row parallel, and each rank holds about 1/tp plus the replicated norms."""
+    model = build_hf(kind, heads=4)
+    kw = inputs()
+    results = SimulatedRanks(tp).run(step, model, kw, True, capture(model, (), kw))
+    assert_equivalent(results, reference(model, kw))
+    for layouts in (r[3] for r in results):
+        for name, role in attention_weights(model).items():
+            assert layouts[name] == Shard(0 if role == "column" else 1), (name, layouts[name])
+    plan = results[0][5]
+    attn_mlp = [p for p in plan.params if ".0." in p.name and len(p.global_shape) == 2]
+    assert all(p.bytes_per_rank * tp == p.global_shape[0] * p.global_shape[1] * 4
+               for p in attn_mlp), [(p.name, p.layout) for p in attn_mlp]
+    if kind == "olmo2":
+        assert plan.count(purpose="stat") == 2
+        assert plan.param("model.layers.0.self_attn.q_norm.weight").layout == "S(0)"
+
+
+@pytest.mark.real
+@pytest.mark.timeout(300)
+def test_real_gloo_interleaved_rotary_and_distributed_norm(real_ranks):
+    """One launch of 2 gloo ranks: GPT-J (partial interleaved rotary) and OLMo2 (q/k norm
+    over all heads) equal HF's own on every rank."""
+    kw = inputs()
+    ranks = real_ranks(2)
+    for kind in ("gptj", "olmo2"):
+        results = ranks.run(real_step, kind, kw)
+        assert_equivalent(results, reference(build_hf(kind), kw))
+        assert all(r[3]["model.layers.0.self_attn.q_proj.weight" if kind == "olmo2"
+                        else "transformer.h.0.attn.q_proj.weight"] == Shard(0) for r in results)
