@@ -159,6 +159,9 @@ TWISTS: dict[str, Twist] = {
     "normalize": Twist(lambda m, x: F.normalize(x, dim=-1), local=False),
     "norm_module": Twist(lambda m, x: m.norm(x), static_last=True, params="norm", local=False),
     "sum_all": Twist(lambda m, x: x * x.sum().tanh(), local=False),
+    # an RMSNorm written out over the last dim (OLMo2's q/k norm): distributed where split
+    "dist_rms": Twist(lambda m, x: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+                      * m.scale, static_last=True, params="scale", local=False),
     # reductions over another dim
     "seq_mean": Twist(lambda m, x: x - x.mean(-2, keepdim=True)),
     "head_mean": Twist(lambda m, x: x - x.mean(1, keepdim=True), four_d=True, local=False),

@@ -108,6 +108,22 @@ class Attention(nn.Module):
         return self.o(y.transpose(1, 2).reshape(B, T, C))
 
 
+class NormedMLP(nn.Module):
+    """up -> ``norm`` over the (split) hidden dim -> down: a LayerNorm or RMSNorm module,
+    the fused ATen op that the planner writes out to run it distributed."""
+
+    def __init__(self, norm: str, dim: int = 32, hidden: int = 64):
+        super().__init__()
+        self.up, self.down = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+        self.norm = nn.LayerNorm(hidden) if norm == "layer" else nn.RMSNorm(hidden)
+        with torch.no_grad():
+            for p in self.norm.parameters():
+                p.uniform_(0.5, 1.5)
+
+    def forward(self, x):
+        return self.down(self.norm(F.gelu(self.up(x))))
+
+
 class CenteredMLP(nn.Module):
     """up -> subtract the mean over the (split) hidden dim, scale by its sum -> down."""
 

@@ -15,7 +15,8 @@ from shardplan.ranks import SimulatedRanks
 
 from checks import assert_equivalent
 from hf_cases import inputs, reference, step
-from norm_cases import FAMILIES, Attention, CenteredMLP, attention_weights, build_hf, real_step
+from norm_cases import (FAMILIES, Attention, CenteredMLP, NormedMLP, attention_weights, build_hf,
+                        real_step)
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -71,6 +72,19 @@ def test_mean_and_sum_over_the_split_hidden_dim(tp):
     assert plan.count(purpose="stat") == 2
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_fused_norm_over_the_split_hidden_dim(norm, tp):
+    """aten.layer_norm / aten.rms_norm over a split dim are written out as means: two
+    stat all-reduces (mean, variance) for LayerNorm, one for RMSNorm; its weight and bias
+    split with the hidden dim."""
+    weights = {"up.weight": "S(0)", "down.weight": "S(1)", "norm.weight": "S(0)"}
+    if norm == "layer":
+        weights["norm.bias"] = "S(0)"
+    plan = _check_pattern(NormedMLP(norm), tp, weights)
+    assert plan.count(purpose="stat") == (2 if norm == "layer" else 1)
+
+
 class Score(torch.nn.Module):
     """A tiny projection averaged over its outputs: one score per token."""
 
@@ -97,26 +111,28 @@ def test_choice_keeps_replicated_when_distributing_costs_more():
     assert shardplan.verify(model, 2, example_inputs=(x,)).ok
 
 
-@pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("kind", FAMILIES)
-def test_hf_family_shards_attention(kind, tp):
+def test_hf_family_shards_attention(kind):
     """GPT-J, Cohere, GLM, Helium (interleaved / partial rotary) and OLMo2 (q/k norm over
-    all heads): every rank's logits, loss and gradients equal HF's own, q/k/v are column
-    and o row parallel, and each rank holds about 1/tp plus the replicated norms."""
+    all heads) at tp 2 and 4 (one capture): every rank's logits, loss and gradients equal
+    HF's own, q/k/v are column and o row parallel on every rank, and the attention and
+    MLP weights are held at 1/tp per rank."""
     model = build_hf(kind, heads=4)
     kw = inputs()
-    results = SimulatedRanks(tp).run(step, model, kw, True, capture(model, (), kw))
-    assert_equivalent(results, reference(model, kw))
-    for layouts in (r[3] for r in results):
-        for name, role in attention_weights(model).items():
-            assert layouts[name] == Shard(0 if role == "column" else 1), (name, layouts[name])
-    plan = results[0][5]
-    attn_mlp = [p for p in plan.params if ".0." in p.name and len(p.global_shape) == 2]
-    assert all(p.bytes_per_rank * tp == p.global_shape[0] * p.global_shape[1] * 4
-               for p in attn_mlp), [(p.name, p.layout) for p in attn_mlp]
-    if kind == "olmo2":
-        assert plan.count(purpose="stat") == 2
-        assert plan.param("model.layers.0.self_attn.q_norm.weight").layout == "S(0)"
+    captured, ref = capture(model, (), kw), reference(model, kw)
+    for tp in (2, 4):
+        results = SimulatedRanks(tp).run(step, model, kw, True, captured)
+        assert_equivalent(results, ref)
+        for layouts in (r[3] for r in results):
+            for name, role in attention_weights(model).items():
+                assert layouts[name] == Shard(0 if role == "column" else 1), (tp, name)
+        plan = results[0][5]
+        attn_mlp = [p for p in plan.params if ".0." in p.name and len(p.global_shape) == 2]
+        assert all(p.bytes_per_rank * tp == p.global_shape[0] * p.global_shape[1] * 4
+                   for p in attn_mlp), [(p.name, p.layout) for p in attn_mlp]
+        if kind == "olmo2":
+            assert plan.count(purpose="stat") == 2
+            assert plan.param("model.layers.0.self_attn.q_norm.weight").layout == "S(0)"
 
 
 @pytest.mark.real

@@ -408,6 +408,28 @@ def test_unsqueeze_before_the_sharded_dim(tp):
     assert report.ok, str(report)
 
 
+DIST_NORM = ModelCfg(dim=16, vocab=32, loss=True, blocks=(BlockCfg(
+    attn=AttnCfg(heads=4, kv_heads=4, head_dim=4), mlp=MlpCfg(hidden=32, act="silu"),
+    twists=(("q", "dist_rms"), ("ffn", "center"))),))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_norm_over_a_split_dim_runs_distributed(tp):
+    """The fuzzer's written-out RMSNorm on the split queries and a centring of the split
+    FFN hidden dim: verified on every rank, attention and MLP still split, each reduction
+    one stat all-reduce of b*s numbers."""
+    model, kw = build_model(DIST_NORM), example_inputs(DIST_NORM)
+    report = verify_case(DIST_NORM, tp)
+    assert getattr(report, "ok", False), str(report)
+    plan = shardplan.plan(model, tp, example_inputs=kw)
+    for name in ("wq", "wk", "wv", "wo"):
+        assert plan.param(f"blocks.0.attn.{name}.weight").layout == ("S(1)" if name == "wo" else "S(0)")
+    assert plan.param("blocks.0.mlp.down.weight").layout == "S(1)"
+    stats = [c.elements for c in plan.collectives if c.purpose == "stat"]
+    assert stats == [DIST_NORM.batch * DIST_NORM.seq] * 2
+    assert all(c.chosen == "distributed" for c in plan.choices)
+
+
 EINSUM = ModelCfg(dim=16, vocab=32, blocks=(BlockCfg(
     attn=AttnCfg(heads=2, kv_heads=2, head_dim=2, qkv="fused", bias=True, kernel="einsum"),
     mlp=MlpCfg(hidden=16, act="swiglu", bias=False)),))

@@ -42,6 +42,7 @@ from .kinds import KINDS, Conflict, Context, Outcome, Role
 from .kinds.base import any_sharded, replicated_like
 from .kinds.factors import labels
 from .reshape import keeps_last_dim
+from .decompose import decomposable, decompose
 from .choices import DISTRIBUTED, REPLICATED, Choice, cost_of
 from .rules import RuleSet
 from .transitions import Collective, Purpose, Transition, dtype_of, message
@@ -71,6 +72,7 @@ class Annotation:
     seq_dims: dict = field(default_factory=dict)
     # reduction run in distributed form -> the openers of the region it reduces
     distributed: dict = field(default_factory=dict)
+    stopped: set = field(default_factory=set)  # ops a region stopped at (closes=True)
     choices: list = field(default_factory=list)  # [choices.Choice], one per weighed region
 
     def read(self, node: fx.Node, consumer: fx.Node | None = None, path=None):
@@ -105,6 +107,10 @@ def annotate(gm: fx.GraphModule, tp: int, rules: RuleSet, *, strict: bool = Fals
     """
     settle = lambda whole: _settle(gm, tp, rules, strict, sequence_parallel, keep, whole)  # noqa: E731
     ann, whole, choices = settle(frozenset()), frozenset(), []
+    fused = [n for n in ann.stopped if decomposable(n)]
+    if fused:  # fused norms over a split dim: written out, they can run distributed
+        decompose(gm, fused)
+        ann = settle(whole)
     regions: dict = {}  # openers -> the reductions over their split dim
     for node, origins in ann.distributed.items():
         regions.setdefault(origins, []).append(node)
@@ -128,6 +134,7 @@ def _settle(gm, tp, rules, strict, sequence_parallel, keep, whole) -> Annotation
     disabled: dict = _kept_replicated(gm, rules, keep) if keep is not None else {}
     replicas: dict = {}  # opener -> (replicas, the divisibility conflict that asked for them)
     seq_dims = sequence_dims(gm) if sequence_parallel else {}
+    stopped = set()
     while True:
         ann, conflicts = _Pass(gm, tp, rules, params, disabled,
                                {o: r for o, (r, _) in replicas.items()}, seq_dims, whole).run()
@@ -152,11 +159,14 @@ def _settle(gm, tp, rules, strict, sequence_parallel, keep, whole) -> Annotation
                 raise LayoutError(c.reason, where=describe(c.node), source=source_of(c.node),
                                   fix="add a rule for this op, or drop strict=True to keep the "
                                       "region replicated")
+            if c.closes:
+                stopped.add(c.node)
             for o in c.origins:  # a fallback (warned) outranks a region that just does not close
                 if o not in disabled or (not c.closes and not disabled[o][1]):
                     disabled[o] = (f"{c.reason} at {describe(c.node)}", not c.closes)
         if retry:
             continue
+    ann.stopped = stopped
     ann.disabled = {n: why for n, (why, _) in disabled.items()}
     ann.warnings = [f"{describe(n)} kept replicated: {why}"
                     for n, (why, warn) in disabled.items() if warn]
