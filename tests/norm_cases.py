@@ -124,6 +124,28 @@ class NormedMLP(nn.Module):
         return self.down(self.norm(F.gelu(self.up(x))))
 
 
+class SoftmaxMLP(nn.Module):
+    """up -> softmax, log-softmax, logsumexp or a max subtracted, over the split hidden
+    dim -> down."""
+
+    def __init__(self, kind: str, dim: int = 32, hidden: int = 64):
+        super().__init__()
+        self.kind = kind
+        self.up, self.down = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        h = self.up(x)
+        if self.kind == "softmax":
+            h = h.softmax(-1) * 8
+        elif self.kind == "log_softmax":
+            h = F.log_softmax(h, -1)
+        elif self.kind == "logsumexp":
+            h = h - torch.logsumexp(h, -1, keepdim=True)
+        else:  # a max that needs its gradient
+            h = h - h.amax(-1, keepdim=True)
+        return self.down(h)
+
+
 class CenteredMLP(nn.Module):
     """up -> subtract the mean over the (split) hidden dim, scale by its sum -> down."""
 

@@ -15,8 +15,8 @@ from shardplan.ranks import SimulatedRanks
 
 from checks import assert_equivalent
 from hf_cases import inputs, reference, step
-from norm_cases import (FAMILIES, Attention, CenteredMLP, NormedMLP, attention_weights, build_hf,
-                        real_step)
+from norm_cases import (FAMILIES, Attention, CenteredMLP, NormedMLP, SoftmaxMLP, attention_weights,
+                        build_hf, real_step)
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -83,6 +83,30 @@ def test_fused_norm_over_the_split_hidden_dim(norm, tp):
         weights["norm.bias"] = "S(0)"
     plan = _check_pattern(NormedMLP(norm), tp, weights)
     assert plan.count(purpose="stat") == (2 if norm == "layer" else 1)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("kind", ["softmax", "log_softmax", "logsumexp"])
+def test_softmax_over_the_split_hidden_dim(kind, tp):
+    """A softmax, log-softmax or logsumexp over a split dim: the max of the detached input
+    and the sum of exps are all-reduced (two stat all-reduces of b*s numbers forward), the
+    sum's gradient once backward (its f)."""
+    plan = _check_pattern(SoftmaxMLP(kind), tp, {"up.weight": "S(0)", "down.weight": "S(1)"})
+    stats = [(c.kind, c.direction, c.elements) for c in plan.collectives if c.purpose == "stat"]
+    assert stats == [("all_reduce", "forward", 12)] * 2
+    assert plan.count(purpose="f", direction="backward", elements=12) == 1
+
+
+def test_max_that_needs_its_gradient_stays_replicated():
+    """``x - x.amax(-1)`` over a split dim: a max's gradient goes to the ranks' argmax,
+    which the distributed max does not carry, so the region stays replicated (equal, and
+    the plan records no distributed choice)."""
+    model = SoftmaxMLP("amax")
+    x = torch.randn(2, 6, 32)
+    plan = shardplan.plan(model, 2, example_inputs=(x,))
+    assert plan.param("up.weight").layout == "R" and not plan.choices
+    assert plan.count(purpose="stat") == 0
+    assert shardplan.verify(model, 2, example_inputs=(x,)).ok
 
 
 class Score(torch.nn.Module):

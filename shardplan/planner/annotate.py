@@ -28,6 +28,7 @@ symbol through every reshape and transpose.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field, replace
 
@@ -70,9 +71,7 @@ class Annotation:
     scattered: dict = field(default_factory=dict)
     gathered: dict = field(default_factory=dict)
     seq_dims: dict = field(default_factory=dict)
-    # reduction run in distributed form -> the openers of the region it reduces
-    distributed: dict = field(default_factory=dict)
-    stopped: set = field(default_factory=set)  # ops a region stopped at (closes=True)
+    stopped: dict = field(default_factory=dict)  # op a region stopped at -> its openers
     choices: list = field(default_factory=list)  # [choices.Choice], one per weighed region
 
     def read(self, node: fx.Node, consumer: fx.Node | None = None, path=None):
@@ -101,30 +100,62 @@ def annotate(gm: fx.GraphModule, tp: int, rules: RuleSet, *, strict: bool = Fals
     model) keeps replicated every opener whose weight it holds replicated:
     one model has one layout, however it is called.
 
-    A region reaching a reduction over its split dim that the rules can run
-    distributed is planned both ways, and the cheaper kept (``choices``):
-    distributed, or stopped there with its openers replicated.
+    A region stopped by a reduction over its split dim that the rules can run
+    distributed (a fused norm or softmax is written out first) is planned both
+    ways, and the cheaper kept (``choices``): stopped there with its openers
+    replicated (the plan without distributed reductions is the baseline), or
+    with the region's reductions distributed.
     """
-    settle = lambda whole: _settle(gm, tp, rules, strict, sequence_parallel, keep, whole)  # noqa: E731
-    ann, whole, choices = settle(frozenset()), frozenset(), []
-    fused = [n for n in ann.stopped if decomposable(n)]
-    if fused:  # fused norms over a split dim: written out, they can run distributed
-        decompose(gm, fused)
-        ann = settle(whole)
-    regions: dict = {}  # openers -> the reductions over their split dim
-    for node, origins in ann.distributed.items():
-        regions.setdefault(origins, []).append(node)
-    for nodes in regions.values():
-        if not all(n in ann.distributed for n in nodes):  # gone with an earlier choice
-            continue
-        alt = settle(whole | set(nodes))
-        costs = {DISTRIBUTED: cost_of(ann), REPLICATED: cost_of(alt)}
-        chosen = REPLICATED if costs[REPLICATED].total < costs[DISTRIBUTED].total else DISTRIBUTED
-        choices.append(Choice(tuple(nodes), chosen, costs))
-        if chosen == REPLICATED:
-            ann, whole = alt, whole | set(nodes)
+    settle = lambda g, whole: _settle(g, tp, rules, strict, sequence_parallel, keep, whole)  # noqa: E731
+    whole = _reductions(gm, rules)  # names of the reductions kept whole (all, to start)
+    ann = settle(gm, whole)
+    regions: dict = {}  # names of openers -> names of the reductions that stopped them
+    for node, origins in ann.stopped.items():
+        if node.name in whole or decomposable(node):
+            regions.setdefault(frozenset(o.name for o in origins), set()).add(node.name)
+    choices = []
+    for origins, names in regions.items():
+        if not names <= {n.name for n in gm.graph.nodes}:
+            continue  # written out with an earlier region
+        alt, done, names = _distributed(gm, ann, settle, whole, names, origins)
+        if not done:
+            continue  # none can run distributed (a max that needs its gradient)
+        costs = {DISTRIBUTED: cost_of(alt), REPLICATED: cost_of(ann)}
+        chosen = DISTRIBUTED if costs[DISTRIBUTED].total <= costs[REPLICATED].total else REPLICATED
+        choices.append(Choice(done, chosen, costs))
+        if chosen == DISTRIBUTED:  # the written-out graph becomes the model's
+            gm.graph = alt.gm.graph
+            alt.gm = gm
+            ann, whole = alt, whole - names
     ann.choices = choices
     return ann
+
+
+def _reductions(gm: fx.GraphModule, rules: RuleSet) -> frozenset:
+    """Names of the reductions the rules can run distributed over a split dim."""
+    return frozenset(n.name for n in gm.graph.nodes if n.op == "call_function"
+                     and getattr(rules.reduce.get(op_name(n)), "distributed", None))
+
+
+def _distributed(gm, ann: Annotation, settle, whole: frozenset, names: set, origins: frozenset):
+    """``ann`` with one region's reductions ``names`` distributed, on a copy of the graph
+    (fused norms and softmaxes written out), with every further reduction that region
+    then stops at (a norm's second mean, a softmax's sum after its max). Returns the
+    annotation, the reductions it newly runs distributed, and the names enabled."""
+    g = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    before = {n.name for n, o in ann.outcomes.items() if o.role is Role.DISTRIBUTED}
+    while True:
+        fused = [n for n in g.graph.nodes if n.name in names and decomposable(n)]
+        if fused:
+            decompose(g, fused)
+        alt = settle(g, whole - names)
+        more = {n.name for n, o in alt.stopped.items()
+                if (n.name in whole or decomposable(n)) and {x.name for x in o} & origins} - names
+        if not more:
+            done = tuple(n for n, o in alt.outcomes.items()
+                         if o.role is Role.DISTRIBUTED and n.name not in before)
+            return alt, done, names
+        names = names | more
 
 
 def _settle(gm, tp, rules, strict, sequence_parallel, keep, whole) -> Annotation:
@@ -134,7 +165,7 @@ def _settle(gm, tp, rules, strict, sequence_parallel, keep, whole) -> Annotation
     disabled: dict = _kept_replicated(gm, rules, keep) if keep is not None else {}
     replicas: dict = {}  # opener -> (replicas, the divisibility conflict that asked for them)
     seq_dims = sequence_dims(gm) if sequence_parallel else {}
-    stopped = set()
+    stopped: dict = {}
     while True:
         ann, conflicts = _Pass(gm, tp, rules, params, disabled,
                                {o: r for o, (r, _) in replicas.items()}, seq_dims, whole).run()
@@ -160,7 +191,7 @@ def _settle(gm, tp, rules, strict, sequence_parallel, keep, whole) -> Annotation
                                   fix="add a rule for this op, or drop strict=True to keep the "
                                       "region replicated")
             if c.closes:
-                stopped.add(c.node)
+                stopped.setdefault(c.node, frozenset(c.origins))
             for o in c.origins:  # a fallback (warned) outranks a region that just does not close
                 if o not in disabled or (not c.closes and not disabled[o][1]):
                     disabled[o] = (f"{c.reason} at {describe(c.node)}", not c.closes)
@@ -184,8 +215,8 @@ def read_as(lay):
 class _Pass:
     def __init__(self, gm, tp, rules: RuleSet, params, disabled, replicas, seq_dims, whole):
         self.gm, self.tp, self.rules, self.params, self.disabled = gm, tp, rules, params, disabled
-        self.ctx = Context(tp, rules, whole)
-        self.distributed: dict = {}
+        self.grad: dict = {}
+        self.ctx = Context(tp, rules, whole, self.grad)
         self.replicas = replicas
         self.seq_dims = seq_dims  # empty unless sequence parallel
         self.scattered: dict = {}
@@ -193,7 +224,6 @@ class _Pass:
         self.layouts: dict = {}
         self.origins: dict = {}  # node -> frozenset of opener nodes its layout derives from
         self.outcomes: dict = {}
-        self.grad: dict = {}
         self.param_layouts: dict = {}  # target -> (Layout, origins)
         self.conflicts: list[Conflict] = []
         self.openers = {o.op: o for o in rules.strategy.open}
@@ -204,7 +234,7 @@ class _Pass:
         ann = Annotation(self.gm, self.tp, self.layouts, self.outcomes,
                          {t: lay for t, (lay, _) in self.param_layouts.items()},
                          self.grad, {}, [], self.rules, [],
-                         self.scattered, self.gathered, self.seq_dims, self.distributed)
+                         self.scattered, self.gathered, self.seq_dims)
         return ann, self.conflicts
 
     # ----------------------------------------------------------------- per node
@@ -220,7 +250,8 @@ class _Pass:
             self.layouts[node] = None
             return
         ins = operands(node)
-        self.grad[node] = any(self.grad.get(a, False) for _, a in ins) and floating(node)
+        self.grad[node] = any(self.grad.get(a, False) for _, a in ins) and floating(node) \
+            and op_name(node) != "aten.detach.default"
         origins = frozenset().union(*[self.origins.get(a, frozenset()) for _, a in ins]) \
             if ins else frozenset()
         outcome = self._rule(node, ins)
@@ -236,8 +267,6 @@ class _Pass:
             self.scattered[node] = Shard(next(iter(dims)))
         if outcome.role is Role.COLUMN:
             origins = origins | {node}
-        elif outcome.role is Role.DISTRIBUTED:
-            self.distributed[node] = origins
         self.origins[node] = origins if any_sharded(read_as(outcome.out)) else frozenset()
 
     def _params_needed(self, node, ins, outcome: Outcome, origins) -> None:
@@ -588,9 +617,12 @@ def _transitions(ann: Annotation) -> list[Transition]:
                 shared(Purpose.SEQ_GRAD, bias, (node, o.bias), before=R, after=R,
                        forward=Collective.NONE, backward=Collective.ALL_REDUCE)
         elif isinstance(o.out, Partial):
-            purpose = Purpose.STAT if o.role is Role.DISTRIBUTED else Purpose.G
-            out.append(Transition(purpose, node, tuple((u, None) for u in node.users),
-                                  Partial(), R, Collective.ALL_REDUCE, Collective.NONE,
+            stat = o.role is Role.DISTRIBUTED
+            maximum = stat and ann.rules.reduce[op_name(node)].distributed == "max"
+            out.append(Transition(Purpose.STAT if stat else Purpose.G, node,
+                                  tuple((u, None) for u in node.users), Partial(), R,
+                                  Collective.ALL_REDUCE_MAX if maximum else Collective.ALL_REDUCE,
+                                  Collective.NONE,
                                   (message(node),), dtype_of(node)))
     output = next(n for n in ann.gm.graph.nodes if n.op == "output")
     for a in output.all_input_nodes:

@@ -1,12 +1,15 @@
-"""decompose: a fused norm over a split dim, written out as means the rules can distribute.
+"""decompose: a fused norm or softmax over a split dim, written out in reductions the
+rules can distribute.
 
-``aten.layer_norm`` and ``aten.rms_norm`` are one op each, so a split
-normalized dim stops the region at them. Written out (mean, centre, mean of
-squares, rsqrt, weight, bias) they are made of a linear reduction, which
-runs distributed (``kinds/reduce.py``), and elementwise ops. ``annotate``
-rewrites only the norms whose region stopped there, in the captured graph,
-before planning again; the result equals the fused op (computed in float32
-for half inputs, as the fused kernels do).
+``aten.layer_norm``, ``aten.rms_norm``, the softmaxes and logsumexp are one op each, so
+a split normalized dim stops the region at them. Written out they are made of
+reductions that run distributed (``kinds/reduce.py``) and elementwise ops:
+a norm of means (mean, centre, mean of squares, rsqrt, weight, bias), a
+softmax or logsumexp of a max and a sum (``exp(x - max) / sum``; the max of the detached
+input, a constant shift, so it needs no gradient). ``annotate`` rewrites only
+the ops whose region stopped there, in the captured graph, before planning
+again; the result equals the fused op (computed in float32 for half inputs,
+as the fused kernels do).
 """
 
 from __future__ import annotations
@@ -21,15 +24,15 @@ _KEEP = ("nn_module_stack", "stack_trace", "source_fn_stack", "from_node")
 
 
 def decomposable(node: fx.Node) -> bool:
-    """Can ``node`` be written out here (a norm over its last dim)?"""
+    """Can ``node`` be written out here (a softmax, or a norm over its last dim)?"""
     name = op_name(node) if node.op == "call_function" else ""
-    return name in _NORMS and len(args_of(node)["normalized_shape"]) == 1
+    return name in _SOFTMAXES or (name in _NORMS and len(args_of(node)["normalized_shape"]) == 1)
 
 
 def decompose(gm: fx.GraphModule, nodes) -> None:
-    """Replace each norm of ``nodes`` in ``gm`` by its written-out form."""
+    """Replace each norm or softmax of ``nodes`` in ``gm`` by its written-out form."""
     for node in nodes:
-        _Writer(gm.graph, node).replace(_NORMS[op_name(node)])
+        _Writer(gm.graph, node).replace({**_NORMS, **_SOFTMAXES}[op_name(node)])
     gm.graph.lint()
     gm.recompile()
 
@@ -52,13 +55,14 @@ class _Writer:
 
     def replace(self, write) -> None:
         args = args_of(self.node)
-        x = args["input"]
-        dtype = x.meta["val"].dtype
-        if dtype in (torch.float16, torch.bfloat16):
-            x = self(aten._to_copy.default, x, dtype=torch.float32)
+        x = args.get("input", args.get("self"))
+        out = self.node.meta["val"].dtype
+        compute = torch.float32 if out in (torch.float16, torch.bfloat16) else out
+        if x.meta["val"].dtype != compute:
+            x = self(aten._to_copy.default, x, dtype=compute)
         y = write(self, x, args)
-        if dtype in (torch.float16, torch.bfloat16):
-            y = self(aten._to_copy.default, y, dtype=dtype)
+        if y.meta["val"].dtype != out:
+            y = self(aten._to_copy.default, y, dtype=out)
         self.node.replace_all_uses_with(y)
         self.graph.erase_node(self.node)
 
@@ -88,4 +92,32 @@ def _rms_norm(w: _Writer, x, args):
     return _affine(w, y, args)
 
 
+def _softmax(w: _Writer, x, args):
+    z, total = _shifted(w, x, args["dim"])
+    return w(aten.div.Tensor, w(aten.exp.default, z), total)
+
+
+def _log_softmax(w: _Writer, x, args):
+    z, total = _shifted(w, x, args["dim"])
+    return w(aten.sub.Tensor, z, w(aten.log.default, total))
+
+
+def _logsumexp(w: _Writer, x, args):
+    dims = list(args["dim"])
+    shift = w(aten.amax.default, w(aten.detach.default, x), dims, True)
+    z = w(aten.sub.Tensor, x, shift)
+    y = w(aten.add.Tensor, w(aten.log.default, w(aten.sum.dim_IntList, w(aten.exp.default, z),
+                                                   dims, True)), shift)
+    return y if args["keepdim"] else w(aten.squeeze.dims, y, dims)
+
+
+def _shifted(w: _Writer, x, dim: int):
+    """``x - max`` along ``dim`` (the max of the detached ``x``) and its sum of exps."""
+    z = w(aten.sub.Tensor, x, w(aten.amax.default, w(aten.detach.default, x), [dim], True))
+    return z, w(aten.sum.dim_IntList, w(aten.exp.default, z), [dim], True)
+
+
 _NORMS = {"aten.layer_norm.default": _layer_norm, "aten.rms_norm.default": _rms_norm}
+_SOFTMAXES = {"aten._softmax.default": _softmax, "aten.softmax.int": _softmax,
+              "aten._log_softmax.default": _log_softmax, "aten.log_softmax.int": _log_softmax,
+              "aten.logsumexp.default": _logsumexp}

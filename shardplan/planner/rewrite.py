@@ -23,11 +23,12 @@ from .annotate import Annotation
 from .capture import module_of
 from .graph import args_of, op_name, operand, operands, replace_operand, set_arg, shape
 from .kinds import KINDS, Role
-from .transitions import Purpose, Transition
+from .transitions import Collective, Purpose, Transition
 from ..layouts import Shard
 from ..runtime.comm import Group
 from ..runtime.graph_ops import (CopyToRegion, GatherSequence, GatherShard,
-                                LinearOnGatheredSequence, LocalShard, ModelParallelRNG,
+                                LinearOnGatheredSequence, LocalShard, MaxOverRanks,
+                                ModelParallelRNG,
                                 ReduceFromRegion, ScatterToSequence, SumOverReplicas,
                                 VocabCrossEntropy, VocabLookup)
 
@@ -169,6 +170,8 @@ class _Rewriter:
         if t.purpose is Purpose.SEQ_SCATTER:
             mod = self._module("seq_scatter",
                                ScatterToSequence(self.group, t.after.dim, self._site(node)))
+        elif t.forward is Collective.ALL_REDUCE_MAX:
+            mod = self._module("stat_max", MaxOverRanks(self.group, self._site(node)))
         else:
             mod = self._module("g" if t.purpose is Purpose.G else t.purpose.value,
                                ReduceFromRegion(self.group, self._site(node)))

@@ -92,9 +92,10 @@ class Einsum(_Strict):
 
 class Reduce(_Strict):
     dim: str  # "N" (argument N holds the dims), "last:N", or "all"
-    # over a split dim: "sum" (this rank's sum is a summand of the whole one) or "mean"
-    # (this rank's mean over 1/tp of the elements, divided by tp, is one); None: not linear
-    distributed: Literal["sum", "mean"] | None = None
+    # over a split dim: "sum" (this rank's sum is a summand of the whole one), "mean"
+    # (this rank's mean over 1/tp of the elements, divided by tp, is one) or "max" (the
+    # max of the ranks' maxima, for an input that needs no gradient); None: none of these
+    distributed: Literal["sum", "mean", "max"] | None = None
 
     @field_validator("dim")
     @classmethod

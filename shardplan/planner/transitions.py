@@ -19,6 +19,7 @@ purpose                 before -> after  forward      backward      Megatron
 ``SEQ_GRAD``            R -> R         none         all_reduce    sequence-parallel grad sum
 ``SEQ_REGATHER``        S(seq) -> R    none         all_gather    linear keeps the shard
 ``STAT``                P -> R         all_reduce   none          (distributed reduction)
+                                       (_max for a max)
 ======================  =============  ===========  ============  ==========
 
 (*) a split of a tensor that needs a gradient follows an ``F``, whose
@@ -58,6 +59,7 @@ class Collective(StrEnum):
     NONE = "none"
     LOCAL_SLICE = "local_slice"  # keep this rank's part: no communication
     ALL_REDUCE = "all_reduce"
+    ALL_REDUCE_MAX = "all_reduce_max"  # a distributed max (a softmax's shift)
     REDUCE_SCATTER = "reduce_scatter"  # sequence parallel's g
     ALL_GATHER = "all_gather"
     REPLICA_SUM = "replica_sum"  # all-reduce of a zero-padded full-size buffer
@@ -69,7 +71,8 @@ class Collective(StrEnum):
     @property
     def c10d(self) -> str:
         """The process-group collective it runs (what a ledger records)."""
-        return "all_reduce" if self is Collective.REPLICA_SUM else self.value
+        return "all_reduce" if self in (Collective.REPLICA_SUM, Collective.ALL_REDUCE_MAX) \
+            else self.value
 
 
 class Purpose(StrEnum):

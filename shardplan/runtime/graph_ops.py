@@ -16,7 +16,7 @@ from .layers import check_ids, vocab_lookup, vocab_range
 from .ledger import traced
 from .loss import vocab_parallel_cross_entropy
 from .mappings import (copy_to_region, gather_from_sequence, linear_on_gathered_sequence,
-                       reduce_from_region, reduce_scatter_to_sequence)
+                       max_over_ranks, reduce_from_region, reduce_scatter_to_sequence)
 from .random import tracker_for
 
 
@@ -40,6 +40,17 @@ class ReduceFromRegion(nn.Module):
 
     def forward(self, x):
         return reduce_from_region(x, self.group, site=self.site)
+
+
+class MaxOverRanks(nn.Module):
+    """A distributed max: all-reduce (max) forward; its input needs no gradient."""
+
+    def __init__(self, group: Group, site: str):
+        super().__init__()
+        self.group, self.site = group, site
+
+    def forward(self, x):
+        return max_over_ranks(x, self.group, site=self.site)
 
 
 class ScatterToSequence(nn.Module):

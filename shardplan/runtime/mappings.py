@@ -11,6 +11,7 @@ each other's adjoint:
     gather_from_region            all-gather last dim     keep own slice
     gather_from_sequence          all-gather seq dim      reduce-scatter seq dim
     reduce_scatter_to_sequence    reduce-scatter seq dim  all-gather seq dim
+    max_over_ranks                all-reduce (max)        none (a constant: no gradient)
 
 ``linear_on_gathered_sequence`` is a linear of an all-gathered sequence that
 keeps only this rank's shard for backward and all-gathers it again there.
@@ -141,6 +142,18 @@ def copy_to_region(x: torch.Tensor, group, *, site: str | None = None) -> torch.
 def reduce_from_region(x: torch.Tensor, group, *, site: str | None = None) -> torch.Tensor:
     """Megatron's g: all-reduce forward (``Partial`` -> replicated), identity backward."""
     return _apply(_ReduceFromRegion, x, group, site, (("all_reduce", "forward", False),))
+
+
+def max_over_ranks(x: torch.Tensor, group, *, site: str | None = None) -> torch.Tensor:
+    """The elementwise max over the ranks of a tensor that needs no gradient (a softmax's
+    shift over a split dim)."""
+    group = as_group(group)
+    if x.requires_grad:
+        raise ValueError("max_over_ranks of a tensor that needs a gradient: its backward "
+                         "would need the ranks' argmax; detach it first")
+    if torch.compiler.is_dynamo_compiling():
+        ledger.traced(x, "all_reduce", group.size, 1, "forward", site or "compiled", "max")
+    return group.all_reduce(x, "max", direction="forward", site=_site(site))
 
 
 def scatter_to_region(x: torch.Tensor, group, *, site: str | None = None) -> torch.Tensor:

@@ -64,12 +64,14 @@ class Outcome:
 
 @dataclass(frozen=True)
 class Context:
-    """What a rule may know beyond its node: tp, the rule set, and the reductions the
-    planner chose to keep whole (their regions replicated) rather than distribute."""
+    """What a rule may know beyond its node: tp, the rule set, the reductions the
+    planner chose to keep whole (their regions replicated) rather than distribute, and
+    which operands need a gradient."""
 
     tp: int
     rules: object  # RuleSet
-    whole: frozenset = frozenset()  # reduction nodes not to run in distributed form
+    whole: frozenset = frozenset()  # names of reductions not to run in distributed form
+    needs_grad: dict = field(default_factory=dict)  # node -> does its value need a gradient
 
     def kind_of(self, node: fx.Node) -> str | None:
         return self.rules.kind(op_name(node))

@@ -5,8 +5,9 @@ them), ``"last:N"`` (the last len(argument N) dims, as layer_norm's
 normalized_shape) or ``"all"``. A reduction it marks ``distributed`` (sum,
 mean) may reduce a split dim: each rank reduces its part, and the result is
 ``Partial``, all-reduced like a row-parallel output (a ``stat`` transition,
-b*s numbers for a norm's statistic). The planner decides per region whether
-that beats keeping the region replicated (``Context.whole``).
+b*s numbers for a norm's statistic; a max's result is all-reduced by max, and
+only for an input that needs no gradient). The planner decides per region
+whether that beats keeping the region replicated (``Context.whole``).
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ class ReduceKind(Kind):
         rank = len(shape(node.args[0]))
         dims = self._dims(node, spec.dim, rank)
         if lay.dim in dims:
-            if spec.distributed and node not in ctx.whole and not lay.padded \
-                    and lay.replicas == 1:
+            if spec.distributed and node.name not in ctx.whole and not lay.padded \
+                    and lay.replicas == 1 and not (spec.distributed == "max"
+                                                   and ctx.needs_grad.get(node.args[0])):
                 return Outcome(Partial(), {p: R for p in lays if p != (0,)},
                                role=Role.DISTRIBUTED,
                                rule=f"distributed {spec.distributed} over the split dim "
