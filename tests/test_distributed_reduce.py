@@ -5,6 +5,8 @@ distributed reductions (stat all-reduces of b*s numbers) and what each choice co
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -140,7 +142,7 @@ def test_hf_family_shards_attention(kind):
     """GPT-J, Cohere, GLM, Helium (interleaved / partial rotary) and OLMo2 (q/k norm over
     all heads) at tp 2 and 4 (one capture): every rank's logits, loss and gradients equal
     HF's own, q/k/v are column and o row parallel on every rank, and the attention and
-    MLP weights are held at 1/tp per rank."""
+    MLP weights are held at 1/tp per rank; every rank's ledger is the plan's collectives."""
     model = build_hf(kind, heads=4)
     kw = inputs()
     captured, ref = capture(model, (), kw), reference(model, kw)
@@ -154,6 +156,9 @@ def test_hf_family_shards_attention(kind):
         attn_mlp = [p for p in plan.params if ".0." in p.name and len(p.global_shape) == 2]
         assert all(p.bytes_per_rank * tp == p.global_shape[0] * p.global_shape[1] * 4
                    for p in attn_mlp), [(p.name, p.layout) for p in attn_mlp]
+        for records in (r[4] for r in results):  # what ranks ran is what the plan says
+            assert Counter((r.kind, r.direction, r.elements) for r in records) == \
+                Counter((c.kind, c.direction, c.elements) for c in plan.collectives)
         if kind == "olmo2":
             assert plan.count(purpose="stat") == 2
             assert plan.param("model.layers.0.self_attn.q_norm.weight").layout == "S(0)"
