@@ -12,13 +12,13 @@ from hf_cases import VOCAB, step
 FAMILIES = ["gptj", "cohere", "glm", "helium", "olmo2"]
 
 
-def build_hf(kind: str, heads: int = 4):
-    """One layer, hidden 64, ``heads`` heads of 16 (a K/V head per query head)."""
+def build_hf(kind: str, heads: int = 4, kv_heads: int | None = None):
+    """One layer, hidden 64, ``heads`` heads of 16 (``kv_heads`` K/V heads: as many)."""
     import transformers as tf
     torch.manual_seed(0)
     common = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=0, pad_token_id=0)
     llama_like = dict(num_hidden_layers=1, hidden_size=64, num_attention_heads=heads,
-                      num_key_value_heads=heads, intermediate_size=96,
+                      num_key_value_heads=kv_heads or heads, intermediate_size=96,
                       max_position_embeddings=64, **common)
     if kind == "gptj":  # partial (rotary_dim 8 of 16), interleaved rotary
         model = tf.GPTJForCausalLM(tf.GPTJConfig(n_layer=1, n_embd=64, n_head=heads,

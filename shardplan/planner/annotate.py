@@ -36,7 +36,7 @@ import torch
 import torch.fx as fx
 
 from .capture import GUARDS, module_of, source_of
-from ..errors import ConfigurationError, DivisibilityError, LayoutError
+from ..errors import ConfigurationError, DivisibilityError, LayoutError, ShardplanError
 from ..layouts import Partial, Replicate, Shard
 from .graph import args_of, describe, floating, hint, op_name, operand, operands, shape
 from .kinds import KINDS, Conflict, Context, Outcome, Role
@@ -148,7 +148,10 @@ def _distributed(gm, ann: Annotation, settle, whole: frozenset, names: set, orig
         fused = [n for n in g.graph.nodes if n.name in names and decomposable(n)]
         if fused:
             decompose(g, fused)
-        alt = settle(g, whole - names)
+        try:
+            alt = settle(g, whole - names)
+        except ShardplanError:  # not a plan at all this way: the baseline stands
+            return None, (), names
         more = {n.name for n, o in alt.stopped.items()
                 if (n.name in whole or decomposable(n)) and {x.name for x in o} & origins} - names
         if not more:

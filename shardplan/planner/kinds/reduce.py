@@ -40,8 +40,7 @@ class ReduceKind(Kind):
         dims = self._dims(node, spec.dim, rank)
         if lay.dim in dims:
             if spec.distributed and node.name not in ctx.whole and not lay.padded \
-                    and lay.replicas == 1 and not (spec.distributed == "max"
-                                                   and ctx.needs_grad.get(node.args[0])):
+                    and not (spec.distributed == "max" and ctx.needs_grad.get(node.args[0])):
                 return Outcome(Partial(), {p: R for p in lays if p != (0,)},
                                role=Role.DISTRIBUTED,
                                rule=f"distributed {spec.distributed} over the split dim "
@@ -54,12 +53,17 @@ class ReduceKind(Kind):
                        rule=f"reduce over {sorted(dims)}")
 
     def local_form(self, node: fx.Node, src: Shard, out, tp: int, graph: fx.Graph) -> fx.Node:
-        """A mean over a split dim averages 1/tp of the elements: its summand is that / tp."""
-        if not (isinstance(out, Partial) and op_name(node) == "aten.mean.dim"):
+        """This rank's summand of a mean over a split dim is its mean / tp (the part is
+        1/tp of the elements, or tp/r parts each held by r ranks: r/tp of them, summed r
+        times); of a sum, its sum / r."""
+        if not isinstance(out, Partial):
+            return node
+        by = {"aten.mean.dim": tp, "aten.sum.dim_IntList": src.replicas}.get(op_name(node), 1)
+        if by == 1:
             return node
         users = list(node.users)
         with graph.inserting_after(node):
-            scaled = graph.call_function(torch.ops.aten.div.Scalar, (node, tp))
+            scaled = graph.call_function(torch.ops.aten.div.Scalar, (node, by))
         scaled.meta = dict(node.meta)
         for u in users:
             u.replace_input_with(node, scaled)
