@@ -53,26 +53,35 @@ def test_per_head_constants_are_sliced_to_this_ranks_heads():
     _check(TinyLM(heads=8, kv_heads=4, alibi=True), 4)
 
 
-@pytest.mark.parametrize("op", ["cumsum", "softmax"])
-def test_region_that_cannot_close_stays_replicated(op):
-    """cumsum has no rule (a warning; an error under strict); softmax over the split
-    hidden dim is known not to be local (a decision, no warning). Both stay correct."""
+def test_region_that_cannot_close_stays_replicated():
+    """cumsum has no rule: its region stays replicated (a warning; an error under
+    strict), and stays correct."""
     torch.manual_seed(0)
-    model = TinyLM(mlp_op=op)
+    model = TinyLM(mlp_op="cumsum")
     results = _check(model, 2)
     assert isinstance(results[0][3]["blocks.0.fc.weight"], shardplan.Replicate)
     assert isinstance(results[0][3]["blocks.0.wqkv.weight"], shardplan.Shard)  # attention unaffected
     idx = torch.zeros(2, 4, dtype=torch.long)
     p = shardplan.plan(model, 2, example_inputs=idx)
     kept = [d for d in p.decisions if d.role == "replicated" and d.module == "blocks.0.fc"]
-    assert kept and op in kept[0].rule
-    if op == "cumsum":
-        assert any("blocks.0.fc" in w and op in w for w in p.warnings)
-        with pytest.raises(shardplan.LayoutError, match=op):
-            shardplan.plan(model, 2, example_inputs=idx, strict=True)
-    else:
-        assert not p.warnings
+    assert kept and "cumsum" in kept[0].rule
+    assert any("blocks.0.fc" in w and "cumsum" in w for w in p.warnings)
+    with pytest.raises(shardplan.LayoutError, match="cumsum"):
         shardplan.plan(model, 2, example_inputs=idx, strict=True)
+
+
+def test_softmax_over_the_split_dim_runs_distributed():
+    """A softmax over the split hidden dim runs distributed (its max and sum of exps
+    all-reduced): the MLP stays split, no warning, correct, also under strict."""
+    torch.manual_seed(0)
+    model = TinyLM(mlp_op="softmax")
+    results = _check(model, 2)
+    assert all(r[3]["blocks.0.fc.weight"] == shardplan.Shard(0) for r in results)
+    idx = torch.zeros(2, 4, dtype=torch.long)
+    p = shardplan.plan(model, 2, example_inputs=idx, strict=True)
+    assert not p.warnings
+    assert {c.chosen for c in p.choices} == {"distributed"}
+    assert p.count(purpose="stat") == 2 * 2  # max and sum, in each of the 2 blocks
 
 
 def test_fallback_warns_beside_a_region_that_does_not_close():
