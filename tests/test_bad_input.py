@@ -336,7 +336,7 @@ def rule_file_opener_without_signature(tmp):
 
 @bad(RuleError, "aten.relu.default", "elementwise", "reduce")
 def rule_file_op_under_two_kinds(tmp):
-    path = rule_file(tmp, '"aten.mean.dim" = { dim = "1" }',
+    path = rule_file(tmp, '"aten.mean.dim" = { dim = "1", distributed = "mean" }',
                      '"aten.mean.dim" = { dim = "1" }\n"aten.relu.default" = { dim = "1" }')
     shardplan.plan(MLP(), 2, example_inputs=torch.zeros(2, 8), rules=path)
 
@@ -381,7 +381,15 @@ def rule_file_shardable_outside_signature(tmp):
 
 @bad(RuleError, "not a valid rule set", "bad reduce dim 'last'", "last:N")
 def rule_file_with_bad_reduce_dim(tmp):
-    path = rule_file(tmp, '"aten.mean.dim" = { dim = "1" }', '"aten.mean.dim" = { dim = "last" }')
+    path = rule_file(tmp, '"aten.mean.dim" = { dim = "1", distributed = "mean" }',
+                     '"aten.mean.dim" = { dim = "last" }')
+    shardplan.plan(MLP(), 2, example_inputs=torch.zeros(2, 8), rules=path)
+
+
+@bad(RuleError, "not a valid rule set", "distributed", "median")
+def rule_file_with_unknown_distributed_form(tmp):
+    path = rule_file(tmp, '"aten.mean.dim" = { dim = "1", distributed = "mean" }',
+                     '"aten.mean.dim" = { dim = "1", distributed = "median" }')
     shardplan.plan(MLP(), 2, example_inputs=torch.zeros(2, 8), rules=path)
 
 
