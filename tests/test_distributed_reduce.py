@@ -64,6 +64,9 @@ def test_norm_over_all_heads_is_distributed(tp):
     assert "reductions over a split dim" in plan.report()
     assert 'class="choice-row" data-chosen="distributed"' in plan.to_html()
     assert shardplan.Plan.from_json(plan.to_json()).choices == plan.choices
+    # HF's and DTensor's styles cannot spell it: the model's own norm would see one part
+    with pytest.raises(shardplan.LayoutError, match="q_norm.*reduction over the split dim"):
+        plan.to_hf_tp_plan(model=Attention(qk_norm=True))
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -28,9 +28,8 @@ from ..layouts import Shard
 from ..runtime.comm import Group
 from ..runtime.graph_ops import (CopyToRegion, GatherSequence, GatherShard,
                                 LinearOnGatheredSequence, LocalShard, MaxOverRanks,
-                                ModelParallelRNG,
-                                ReduceFromRegion, ScatterToSequence, SumOverReplicas,
-                                VocabCrossEntropy, VocabLookup)
+                                ModelParallelRNG, ReduceFromRegion, ScatterToSequence,
+                                SumOverReplicas, VocabCrossEntropy, VocabLookup)
 
 aten = torch.ops.aten
 
@@ -257,33 +256,37 @@ class _Rewriter:
 
     # ----------------------------------------------------------------- size arguments
 
-    def _rewrite_sizes(self, orig: fx.Node, node: fx.Node) -> None:
-        """Literal (or traced) sizes of the sharded dim become this rank's sizes."""
+    def _sharded_input(self, orig: fx.Node):
+        """(the layout ``orig`` reads of its first operand, its kind) when that operand is
+        this rank's shard and a kind covers the op; else None."""
         if not orig.args or not isinstance(orig.args[0], fx.Node):
-            return
+            return None
         src = self.ann.read(orig.args[0], orig, (0,))
         kind = self.ann.rules.kind(op_name(orig))
-        if not isinstance(src, Shard) or kind is None:
+        return (src, KINDS[kind]) if isinstance(src, Shard) and kind is not None else None
+
+    def _rewrite_sizes(self, orig: fx.Node, node: fx.Node) -> None:
+        """Literal (or traced) sizes of the sharded dim become this rank's sizes."""
+        sharded = self._sharded_input(orig)
+        if sharded is None:
             return
+        src, kind = sharded
 
         def divide(size, by: int):
             with self.graph.inserting_before(node):  # a traced size expression
                 return self.graph.call_function(operator.floordiv, (size, by))
 
-        local = KINDS[kind].local_args(node, src, self.ann.layouts.get(orig), self.group.size, divide)
+        local = kind.local_args(node, src, self.ann.layouts.get(orig), self.group.size, divide)
         for name, value in local.items():
             set_arg(node, name, value)
 
     def _local_form(self, orig: fx.Node, node: fx.Node) -> fx.Node:
         """What the op's kind adds for it to give this rank's part (``Kind.local_form``)."""
-        if not orig.args or not isinstance(orig.args[0], fx.Node):
+        sharded = self._sharded_input(orig)
+        if sharded is None:
             return node
-        src = self.ann.read(orig.args[0], orig, (0,))
-        kind = self.ann.rules.kind(op_name(orig))
-        if not isinstance(src, Shard) or kind is None:
-            return node
-        return KINDS[kind].local_form(node, src, self.ann.layouts.get(orig), self.group.size,
-                                      self.graph)
+        src, kind = sharded
+        return kind.local_form(node, src, self.ann.layouts.get(orig), self.group.size, self.graph)
 
     def _stride_safe(self, orig: fx.Node, node: fx.Node, out) -> None:
         """A view of a tensor that is not whole here becomes a reshape.

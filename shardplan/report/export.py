@@ -153,6 +153,13 @@ def _analyse(plan, target: str, model=None) -> tuple[OrderedDict, list[ExportIss
             issues.append(ExportIssue(m.path, "P", "a partial sum from contracting a split activation with "
                                       "another activation: no module style places it"))
             continue
+        if role == "distributed_reduce":
+            at = next((d.source for d in plan.decisions if d.module == m.path and d.role == role), None)
+            issues.append(ExportIssue(m.path, "P", "a reduction over the split dim run distributed (its "
+                                      "small result all-reduced)" + (f" at {at}" if at else "") +
+                                      ": no module style spells it, and the model's own code would "
+                                      "reduce this rank's part only"))
+            continue
         if weight is None or not isinstance(wlay, Shard):
             issues.append(ExportIssue(m.path, lay_text, f"{role} decision without a split 'weight' "
                                       "parameter of its own (a functional op on a parent's parameter?)"))

@@ -6,8 +6,9 @@ rule (operand layouts -> output layout and the layouts it needs of its
 operands, ``rule``), the cuts it makes along a dim (``cuts``: where a fused
 output is split downstream) and how its size arguments change for one
 rank's shard (``local_args``), and what else one rank's op needs to give its
-part of the result (``local_form``: a mean over a split dim divides by tp). Arguments are read by schema name
-(``graph.args_of``), never by position or op-name suffix.
+part of the result (``local_form``: a mean over a split dim divides by tp).
+Arguments are read by schema name (``graph.args_of``), never by position or
+op-name suffix.
 """
 
 from __future__ import annotations
