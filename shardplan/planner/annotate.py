@@ -87,7 +87,8 @@ class Annotation:
 
 
 def annotate(gm: fx.GraphModule, tp: int, rules: RuleSet, *, strict: bool = False,
-             sequence_parallel: bool = False, keep: dict | None = None) -> Annotation:
+             sequence_parallel: bool = False, keep: dict | None = None,
+             distribute: bool = True) -> Annotation:
     """Layouts and transitions for every node of ``gm`` under tensor parallelism ``tp``.
 
     Openers whose regions reach an op that cannot run locally are kept
@@ -104,13 +105,14 @@ def annotate(gm: fx.GraphModule, tp: int, rules: RuleSet, *, strict: bool = Fals
     distributed (a fused norm or softmax is written out first) is planned both
     ways, and the cheaper kept (``choices``): stopped there with its openers
     replicated (the plan without distributed reductions is the baseline), or
-    with the region's reductions distributed.
+    with the region's reductions distributed. ``distribute=False`` gives the
+    baseline alone (the graph unchanged).
     """
     settle = lambda g, whole: _settle(g, tp, rules, strict, sequence_parallel, keep, whole)  # noqa: E731
     whole = _reductions(gm, rules)  # names of the reductions kept whole (all, to start)
     ann = settle(gm, whole)
     regions: dict = {}  # names of openers -> names of the reductions that stopped them
-    for node, origins in ann.stopped.items():
+    for node, origins in ann.stopped.items() if distribute else ():
         if node.name in whole or decomposable(node):
             regions.setdefault(frozenset(o.name for o in origins), set()).add(node.name)
     choices = []

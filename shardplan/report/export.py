@@ -304,7 +304,8 @@ def _runtime_issues(plan, mods, model, example_inputs) -> list[ExportIssue]:
     args, kwargs = example_args(meta, example_inputs)
     args, kwargs = _to_meta(args), _to_meta(kwargs)
     whole = capture(meta, args, kwargs, truncate=True)
-    ann = annotate(whole.gm, tp, load_rules(plan.rules))
+    # the baseline, as it is: a plan with a distributed reduction is refused before this
+    ann = annotate(whole.gm, tp, load_rules(plan.rules), distribute=False)
     for m in mods.values():
         if m.style not in _LOCAL_OUT | _LOCAL_IN:
             continue
