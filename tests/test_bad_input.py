@@ -574,7 +574,7 @@ def test_bad_input(name, request):
 
 
 def test_corpus_size():
-    assert len(CASES) == 66  # README: "a 66-case bad-input corpus"
+    assert len(CASES) == 67  # README: "a 67-case bad-input corpus"
 
 
 # --------------------------------------------------------------------------- unusual, not bad
