@@ -140,11 +140,8 @@ class ShardedModule(nn.Module):
             keep = {"model." + fqn: lay for fqn, lay in self.layouts.items()}
             with PLANNING_LOCK:
                 step = decode_step(self._source[0], batch, max_len)
-                sharded = ShardedModule(step, self._group, self._rules,
-                                        example=(step.example(2), {}), gather_output=True,
-                                        strict=self._strict, captured=captured, keep=keep)
-            # the capture keeps the token count symbolic, so it serves one token too
-            sharded._graphs[_key(step.example(1), {}, step.training)] = sharded.graph_module
+            sharded = parallel_step(step, self._group, self._rules, strict=self._strict,
+                                    captured=captured, keep=keep)
             sharded._adopt(self, prefix="model.")
             self._decoders[key] = sharded
         return self._decoders[key]
@@ -308,6 +305,17 @@ class ShardedModule(nn.Module):
         if block in self.recomputed:
             piece = Recomputed(piece, block, self._group)
         return OwnedPiece(piece, block) if self.fsdp_blocks else piece
+
+
+def parallel_step(step: nn.Module, group: Group, rules: RuleSet, *, strict: bool = False,
+                  captured: Captured | None = None, keep: dict | None = None) -> ShardedModule:
+    """A decode step (``kvcache.DecodeStep``) parallelized with its logits gathered, from one
+    capture: the prompt's, whose token count stays symbolic, also serves every single
+    token after it (the caches' shapes are static)."""
+    sharded = ShardedModule(step, group, rules, example=(step.example(2), {}),
+                            gather_output=True, strict=strict, captured=captured, keep=keep)
+    sharded._graphs[_key(step.example(1), {}, step.training)] = sharded.graph_module
+    return sharded
 
 
 def compile_graph(gm: fx.GraphModule, backend: str) -> None:
