@@ -4,11 +4,13 @@
     out = sharded.generate(ids, max_new_tokens=20, do_sample=True, top_k=50,
                            generator=torch.Generator().manual_seed(0))
     out = generate(model, ids, max_new_tokens=20)                      # a plain module
+    out = generate(model, ids, max_new_tokens=20, step=decode_step(model, 1, 32))  # cached
 
-Each step recomputes the whole prefix (no KV cache): one forward of the
-model per new token, on batch x (prompt + generated) tokens. The sharded
-module captures a call signature once and reuses it for every length, so
-this costs no capture per step, but the work per step grows with the length.
+With a decode step (``step=``, see ``shardplan.kvcache``; the sharded
+module's ``generate`` passes its parallelized one) the prompt runs once and
+every later call feeds only the newest token, its keys and values kept in the
+step's cache. Without one, each step recomputes the whole prefix: one
+forward of the model on batch x (prompt + generated) tokens.
 
 Every rank computes the same gathered logits; rank 0 picks the next tokens
 (argmax, or a draw from its ``generator``, default the global RNG) and
@@ -48,7 +50,10 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
     is the module whose forward signature and ``generation_config`` apply
     (default ``model``); ``group``: ranks that must agree on every token;
     ``gather``: turns this rank's part of the last position's logits into all
-    of them (for a sharded model that keeps its output split).
+    of them (for a sharded model that keeps its output split); ``step``: a decode
+    step (``kvcache.decode_step``, plain or parallelized with ``parallel_step``)
+    with room for ``input_ids``' batch and prompt + ``max_new_tokens`` - 1 positions,
+    used instead of ``model``'s forward on the whole prefix.
     Stops early once every sequence has produced ``eos_token_id``.
     """
     source = model if source is None else source

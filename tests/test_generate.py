@@ -151,7 +151,7 @@ def test_cached_generate_matches_hf_on_simulated_ranks(kind, kv_heads, tp):
     check(kind, kv_heads, tp, got)
 
 
-REAL = [("gpt2", 4), ("llama", 1), ("qwen2", 2)]
+REAL = [("gpt2", 4), ("llama", 1)]
 
 
 def real_generate(ctx, eos: dict):
@@ -166,7 +166,7 @@ def real_generate(ctx, eos: dict):
 
 @pytest.mark.real
 def test_cached_generate_matches_hf_on_real_ranks(real_ranks):
-    """One launch at tp=2: GPT-2, Llama with one K/V head, Qwen2; parallelize as users do."""
+    """One launch at tp=2: GPT-2 and Llama with one K/V head, parallelized as users do."""
     eos = {kind: reference(kind, kv)[1] for kind, kv in REAL}
     got = real_ranks(2).run(real_generate, eos)
     for i, (kind, kv_heads) in enumerate(REAL):
