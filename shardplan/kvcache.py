@@ -202,6 +202,8 @@ class HFDecodeStep(DecodeStep):
                 not hasattr(model, "get_input_embeddings"):
             raise UnsupportedDecode(f"{name} does not declare static K/V cache support "
                                     "(a Hugging Face model with _can_compile_fullgraph)")
+        if not {"attention_mask", "position_ids"} <= set(inspect.signature(model.forward).parameters):
+            raise UnsupportedDecode(f"{name}.forward takes no attention_mask and position_ids")
         cfg = model.config
         types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
         if types != {"full_attention"}:

@@ -148,14 +148,14 @@ class ShardedModule(nn.Module):
 
     def _decoder_for(self, input_ids: torch.Tensor, max_new_tokens: int):
         """The decode step that fits this generation, or None (warned) where there is none."""
-        from .errors import UnsupportedDecode
+        from .errors import ShardplanError
         from .kvcache import cache_length
         batch, prompt = input_ids.shape if input_ids.dim() == 2 else (0, 0)
         if not batch or not prompt or max_new_tokens < 1:
             return None  # generate() reports the bad arguments
         try:
             return self.decoder(batch, cache_length(self._source[0], prompt + max_new_tokens - 1))
-        except UnsupportedDecode as e:
+        except ShardplanError as e:  # no step, or one that cannot be captured or planned
             warnings.warn(f"generate: no K/V cache, the prefix is recomputed for every token: "
                           f"{e.what}", stacklevel=3)
             return None
@@ -207,6 +207,7 @@ class ShardedModule(nn.Module):
         from then on this rank's parameters are its ``DTensor`` shards of its TP shards."""
         apply_fsdp(self, self.fsdp_blocks, dp_mesh, options)
         self._tensors.update(self.named_parameters(remove_duplicate=False))
+        self._decoders.clear()
 
     def load_local_(self, tensors: dict[str, torch.Tensor]) -> None:
         """Set this rank's tensors by FQN (every alias of a tied one): copied in place
@@ -231,6 +232,7 @@ class ShardedModule(nn.Module):
             bind(gm, self._tensors)
         for name, t in self._graphs[self._last]._parameters.items():
             self._parameters[name] = t
+        self._decoders.clear()  # they read the tensors replaced above
 
     def _check_materialized(self, args, kwargs) -> None:
         if not any(t.is_meta for t in self._tensors.values()):
