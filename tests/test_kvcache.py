@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from shardplan import ConfigurationError
 from shardplan.generate import generate
 from shardplan.kvcache import decode_step
 from shardplan.layouts import Shard
@@ -78,17 +79,21 @@ def sim_bundled(ctx, model, ids, captured, step_captured, padded, mask):
                                generator=torch.Generator().manual_seed(3), **SAMPLE)
     split = sharded_with_decoder(ctx, model, (ids,), {}, captured, step_captured,
                                  gather_output=False)
+    with pytest.raises(ConfigurationError, match="takes no attention_mask"):  # no cache: no mask
+        sharded.generate(padded, attention_mask=mask, max_new_tokens=1, kv_cache=False)
     decoder = sharded.decoder(2, CACHE)
     caches = {k: decoder.layouts[k] for k in decoder._tensors if "_cache_" in k}
     local = sum(t.nbytes for k, t in decoder._tensors.items() if "_cache_" in k)
-    return greedy, sampled, split.generate(ids, max_new_tokens=NEW), caches, local
+    return (greedy, sampled, split.generate(ids, max_new_tokens=NEW),
+            split.generate(ids, max_new_tokens=NEW, kv_cache=False), caches, local)
 
 
 @pytest.mark.parametrize("preset,cfg,tp", [("gpt-tiny", dict(vocab_size=97), 2),
                                            ("llama-tiny", dict(n_kv_heads=2), 4)])
 def test_bundled_cached_generate_matches_unsharded(preset, cfg, tp):
     """Greedy on a left-padded batch = each prompt alone, unpadded; seeded sampling = the
-    unsharded model's; each rank holds 1/tp of the cache (K/V heads < tp: its group's)."""
+    unsharded model's; each rank holds 1/tp of the cache (K/V heads < tp: its group's);
+    with the logits split by vocabulary, both paths gather them per step."""
     torch.manual_seed(0)
     model = build(preset, **cfg).eval()
     ids = torch.randint(1, 90, (2, 4), generator=torch.Generator().manual_seed(2))
@@ -104,10 +109,11 @@ def test_bundled_cached_generate_matches_unsharded(preset, cfg, tp):
     heads = step.k_cache_0.shape[1]
     got = SimulatedRanks(tp).run(sim_bundled, model, ids, capture(model, (ids,), {}),
                                  capture(step, step.example(2), {}), padded, mask)
-    for out, sample, split, caches, local in got:
+    for out, sample, split, recomputed, caches, local in got:
         for i in range(2):
             assert torch.equal(out[i, 4 - int(mask[i].sum()):], alone[i][0])
         assert torch.equal(sample, sampled) and torch.equal(split, greedy)
+        assert torch.equal(recomputed, greedy)  # logits split by vocabulary, gathered per step
         assert all(isinstance(lay, Shard) and lay.dim == 1 for lay in caches.values()), caches
         assert local == full // min(tp, heads)
 
