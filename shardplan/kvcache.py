@@ -102,10 +102,17 @@ class DecodeStep(nn.Module):
 
     def example(self, tokens: int) -> tuple:
         """Inputs of a call on ``tokens`` new tokens per sequence."""
-        device = self.k_cache_0.device
+        device = next(self.model.parameters()).device
         ids = torch.zeros(self.batch, tokens, dtype=torch.long, device=device)
         return (ids, ids.clone(), torch.arange(tokens, device=device),
                 torch.ones(self.batch, self.max_len, dtype=torch.long, device=device))
+
+    def release_caches(self) -> None:
+        """Keep the full-size caches as shapes only (``meta``): once parallelized, each rank
+        runs on its own shards of them (``sharded.parallel_step``)."""
+        for name, buf in list(self.named_buffers()):
+            if name.startswith(("k_cache_", "v_cache_")):
+                self.register_buffer(name, buf.to("meta"), persistent=False)
 
     def caches(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return getattr(self, f"k_cache_{layer}"), getattr(self, f"v_cache_{layer}")

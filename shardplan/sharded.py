@@ -313,10 +313,12 @@ def parallel_step(step: nn.Module, group: Group, rules: RuleSet, *, strict: bool
                   captured: Captured | None = None, keep: dict | None = None) -> ShardedModule:
     """A decode step (``kvcache.DecodeStep``) parallelized with its logits gathered, from one
     capture: the prompt's, whose token count stays symbolic, also serves every single
-    token after it (the caches' shapes are static)."""
+    token after it (the caches' shapes are static). The step's full-size caches are
+    released: a rank holds only its shards."""
     sharded = ShardedModule(step, group, rules, example=(step.example(2), {}),
                             gather_output=True, strict=strict, captured=captured, keep=keep)
     sharded._graphs[_key(step.example(1), {}, step.training)] = sharded.graph_module
+    step.release_caches()  # this rank's shards (or, replicated, the same objects) stay
     return sharded
 
 

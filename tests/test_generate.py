@@ -101,11 +101,13 @@ def reference(kind: str, kv_heads: int):
 
 
 def cache_report(decoder: ShardedModule) -> tuple:
-    """(layouts of the caches, their bytes on this rank, distinct graphs of the step)."""
-    caches = {k: t for k, t in decoder._tensors.items() if "_cache_" in k}
+    """(layouts of the caches, the bytes of every cache tensor this rank holds, its own
+    and the unsharded step's, distinct graphs of the step)."""
+    named = [*decoder._tensors.items(), *decoder.source.named_buffers()]
+    held = {id(t): t for k, t in named if "_cache_" in k and not t.is_meta}
     graphs = {id(g) for g in decoder._graphs.values()}
-    return ({k: decoder.layouts[k] for k in caches}, sum(t.nbytes for t in caches.values()),
-            len(graphs))
+    return ({k: decoder.layouts[k] for k in decoder._tensors if "_cache_" in k},
+            sum(t.nbytes for t in held.values()), len(graphs))
 
 
 def check(kind: str, kv_heads: int, tp: int, got: list) -> None:

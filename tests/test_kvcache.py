@@ -21,7 +21,7 @@ from shardplan.ranks import SimulatedRanks
 from shardplan.runtime.ledger import CommLedger
 from shardplan.sharded import ShardedModule
 
-from test_generate import CACHE, NEW, SAMPLE, example, prompts
+from test_generate import CACHE, NEW, SAMPLE, cache_report, example, prompts
 from test_generate import build as build_hf
 
 pytestmark = pytest.mark.timeout(300)
@@ -82,8 +82,7 @@ def sim_bundled(ctx, model, ids, captured, step_captured, padded, mask):
     with pytest.raises(ConfigurationError, match="takes no attention_mask"):  # no cache: no mask
         sharded.generate(padded, attention_mask=mask, max_new_tokens=1, kv_cache=False)
     decoder = sharded.decoder(2, CACHE)
-    caches = {k: decoder.layouts[k] for k in decoder._tensors if "_cache_" in k}
-    local = sum(t.nbytes for k, t in decoder._tensors.items() if "_cache_" in k)
+    caches, local, _ = cache_report(decoder)
     return (greedy, sampled, split.generate(ids, max_new_tokens=NEW),
             split.generate(ids, max_new_tokens=NEW, kv_cache=False), caches, local)
 
