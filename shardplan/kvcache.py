@@ -12,15 +12,15 @@ positions in their sequence (left padding counts none), ``cache_position``
 max_len) 1 for every slot holding (or about to hold) a real token. The
 writes are exact (a 0/1 placement matrix, ``where`` + ``copy_``, both ordinary
 rules of the planner), and each token attends to the filled, unpadded slots
-up to its own. The cache shapes are static, so a parallelized step captures
-twice at most: the prompt (its length stays symbolic) and the single token of
-every later position. The planner splits the caches along heads like the
+up to its own. The cache shapes are static and the token count is
+symbolic, so a parallelized step captures once (``sharded.parallel_step``): the
+prompt's graph also runs every later single token. The planner splits the caches along heads like the
 k/v projections they meet: each rank holds its own K/V heads, and K/V heads
 shared by a group of ranks (fewer K/V heads than tp) once per rank.
 
 Families: the bundled ``GPT`` and ``Llama``, and Hugging Face causal LMs
 that declare static-cache support (``_can_compile_fullgraph``: GPT-2, Llama,
-Mistral, Qwen2, OPT, Gemma, Phi, ...), driven through their own code with
+Mistral, Qwen2, OPT, Gemma, ...), driven through their own code with
 this module's cache object and a 4-D mask. Anything else raises
 ``UnsupportedDecode`` with the reason (``generate`` then recomputes the prefix).
 """
