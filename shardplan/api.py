@@ -104,10 +104,12 @@ def _fsdp_plan(model: nn.Module, fsdp, mesh, recompute) -> tuple[list[str], dict
 
 
 def _check_devices(model: nn.Module) -> None:
+    """One device, besides ``meta`` (tensors a checkpoint will fill: see
+    ``checkpoint.empty.parameters_on_meta``)."""
     devices = {}
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         devices.setdefault(t.device, name)
-    if len(devices) > 1:
+    if len([d for d in devices if d.type != "meta"]) > 1:
         listed = ", ".join(f"{n} on {d}" for d, n in devices.items())
         raise ConfigurationError(
             f"{type(model).__name__} has tensors on several devices ({listed})",
