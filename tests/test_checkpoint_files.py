@@ -177,6 +177,24 @@ def test_split_checkpoint_costs_a_rank_its_shard(real_ranks, tmp_path):
         assert grown < 0.8 * full
 
 
+def test_parameters_on_meta_keeps_computed_buffers():
+    """Parameters on meta, buffers as the constructor computed them (bundled Llama's
+    unsaved RoPE tables), and nn.Module as it was afterwards, also after an error."""
+    register = torch.nn.Module.register_parameter
+    with ck.parameters_on_meta():
+        m = build("llama-tiny")
+    reference = build("llama-tiny")
+    assert all(p.is_meta for p in m.parameters())
+    buffers = dict(reference.named_buffers())
+    assert set(buffers) >= {"rope_cos", "rope_sin"}
+    for name, b in m.named_buffers():
+        assert not b.is_meta and torch.equal(b, buffers[name]), name
+    with pytest.raises(ValueError), ck.parameters_on_meta():
+        raise ValueError
+    assert torch.nn.Module.register_parameter is register
+    assert not torch.nn.Linear(2, 2).weight.is_meta
+
+
 def pretrained(ctx, path):
     """This rank's logits, greedy tokens and local shapes from ``load_pretrained(path)``."""
     ids = torch.tensor([[5, 6, 7, 8]])
