@@ -11,6 +11,7 @@ import copy
 import functools
 import json
 import sys
+import threading
 
 import pytest
 import safetensors.torch
@@ -179,10 +180,16 @@ def test_split_checkpoint_costs_a_rank_its_shard(real_ranks, tmp_path):
 
 def test_parameters_on_meta_keeps_computed_buffers():
     """Parameters on meta, buffers as the constructor computed them (bundled Llama's
-    unsaved RoPE tables), and nn.Module as it was afterwards, also after an error."""
+    unsaved RoPE tables); another thread meanwhile builds real parameters; nn.Module
+    as it was afterwards, also after an error."""
     register = torch.nn.Module.register_parameter
+    other = []
     with ck.parameters_on_meta():
         m = build("llama-tiny")
+        thread = threading.Thread(target=lambda: other.append(torch.nn.Linear(2, 2)))
+        thread.start()
+        thread.join()
+    assert not other[0].weight.is_meta
     reference = build("llama-tiny")
     assert all(p.is_meta for p in m.parameters())
     buffers = dict(reference.named_buffers())
