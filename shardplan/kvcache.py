@@ -100,9 +100,9 @@ class DecodeStep(nn.Module):
             self.register_buffer(f"k_cache_{i}", like.new_zeros(shape), persistent=False)
             self.register_buffer(f"v_cache_{i}", like.new_zeros(shape), persistent=False)
 
-    def example(self, tokens: int) -> tuple:
-        """Inputs of a call on ``tokens`` new tokens per sequence."""
-        device = next(self.model.parameters()).device
+    def example(self, tokens: int, device=None) -> tuple:
+        """Inputs of a call on ``tokens`` new tokens per sequence (on the model's device)."""
+        device = device or next(self.model.parameters()).device
         ids = torch.zeros(self.batch, tokens, dtype=torch.long, device=device)
         return (ids, ids.clone(), torch.arange(tokens, device=device),
                 torch.ones(self.batch, self.max_len, dtype=torch.long, device=device))

@@ -175,15 +175,15 @@ def test_cached_generate_matches_hf_on_real_ranks(real_ranks):
         check(kind, kv_heads, 2, [rank[i] for rank in got])
 
 
-def test_cli_generates_from_a_checkpoint(tmp_path, capsys):
+@pytest.mark.parametrize("preset", ["gpt-tiny", "llama-tiny"])  # llama: RoPE buffers unsaved
+def test_cli_generates_from_a_checkpoint(tmp_path, capsys, preset):
     import safetensors.torch
     from shardplan import cli
-    from shardplan.generate import generate
     from shardplan.models import build as build_preset
     torch.manual_seed(4)
-    model = build_preset("gpt-tiny").eval()
+    model = build_preset(preset).eval()
     safetensors.torch.save_model(model, tmp_path / "model.safetensors")
     expected = generate(model, torch.tensor([[1, 2, 3]]), max_new_tokens=4)
-    assert cli.main(["generate", "gpt-tiny", "--tp", "2", "--prompt", "1, 2, 3",
+    assert cli.main(["generate", preset, "--tp", "2", "--prompt", "1, 2, 3",
                      "--max-new-tokens", "4", "--checkpoint", str(tmp_path)]) == 0
     assert capsys.readouterr().out.split() == [str(int(t)) for t in expected[0]]
