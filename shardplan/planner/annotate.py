@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.fx as fx
 
+from .blocks import split_first
 from .capture import GUARDS, module_of, source_of
 from ..errors import ConfigurationError, DivisibilityError, LayoutError
 from ..layouts import Partial, Replicate, Shard
@@ -486,8 +487,8 @@ def _transitions(ann: Annotation) -> list[Transition]:
     made: dict = {}  # (src, purpose) -> index in out, for transitions shared by consumers
     vocab_loss = ann.rules.strategy.vocab_loss
 
-    def shared(purpose, src, edge, **fields):
-        key = (src, purpose)
+    def shared(purpose, src, edge, key=(), **fields):
+        key = (src, purpose, *key)
         if key in made:
             t = out[made[key]]
             out[made[key]] = _with_consumer(t, edge)
@@ -509,9 +510,9 @@ def _transitions(ann: Annotation) -> list[Transition]:
                 shared(purpose, a, (node, path), before=lay, after=R,
                        forward=Collective.ALL_GATHER, backward=back)
                 if purpose is Purpose.SEQ_GATHER and _keeps_shard(node, path):
-                    out.append(Transition(Purpose.SEQ_REGATHER, a, ((node, path),), lay, R,
-                                          Collective.NONE, Collective.ALL_GATHER,
-                                          (message(a),), dtype_of(a)))
+                    shared(Purpose.SEQ_REGATHER, a, (node, path), key=_block(module_of(node)),
+                           before=lay, after=R, forward=Collective.NONE,
+                           backward=Collective.ALL_GATHER)
                 continue
             need, have = o.needs.get(path, R), ann.read(a)
             if not isinstance(have, Replicate):
@@ -550,6 +551,7 @@ def _transitions(ann: Annotation) -> list[Transition]:
             out.append(Transition(Purpose.G, node, tuple((u, None) for u in node.users),
                                   Partial(), R, Collective.ALL_REDUCE, Collective.NONE,
                                   (message(node),), dtype_of(node)))
+    out = _bucket_grad_sums(out)
     output = next(n for n in ann.gm.graph.nodes if n.op == "output")
     for a in output.all_input_nodes:
         lay = ann.read(a)
@@ -558,6 +560,37 @@ def _transitions(ann: Annotation) -> list[Transition]:
                                   Collective.ALL_GATHER, Collective.LOCAL_SLICE,
                                   (message(a),), dtype_of(a)))
     return out
+
+
+def _bucket_grad_sums(ts: list[Transition]) -> list[Transition]:
+    """The ``SEQ_GRAD``s of parameters of one block (and dtype), read only inside it, as
+    one ``SEQ_GRAD_BUCKET`` where the first of them was: one all-reduce instead of one
+    per norm weight, norm bias and row bias. A block's bucket stays in the block, so
+    recomputation and FSDP see it there."""
+    groups: dict = {}
+    for i, t in enumerate(ts):
+        if t.purpose is Purpose.SEQ_GRAD and t.src.op == "get_attr":
+            block = _block(t.src.target)
+            if all(_block(module_of(c)) == block for c, _ in t.consumers):
+                groups.setdefault((block, t.dtype), []).append(i)
+    first, dropped = {}, set()
+    for idx in groups.values():
+        if len(idx) < 2:
+            continue
+        members = [ts[i] for i in idx]
+        first[idx[0]] = Transition(
+            Purpose.SEQ_GRAD_BUCKET, members[0].src, sum((m.consumers for m in members), ()),
+            R, R, Collective.NONE, Collective.ALL_REDUCE,
+            messages=((sum(m.elements[0] for m in members),),), dtype=members[0].dtype,
+            sources=tuple(m.src for m in members))
+        dropped.update(idx[1:])
+    return [first.get(i, t) for i, t in enumerate(ts) if i not in dropped]
+
+
+def _block(name: str) -> tuple:
+    """(list path, index) of the outermost block ``name`` lies in; () outside blocks."""
+    found = split_first(name or "")
+    return found[:2] if found else ()
 
 
 def _with_consumer(t: Transition, edge) -> Transition:
