@@ -265,6 +265,9 @@ def _decisions(ann: Annotation) -> list[Decision]:
             rule = f"runs on this rank's tokens (sequence parallel): {rule}"
         elif node in ann.scattered:
             rule = f"{rule}; reduce-scattered onto the ranks' tokens: S(seq)"
+        elif node in ann.deferred:
+            rule = (f"{rule}; reduce-scattered onto the ranks' tokens after its view "
+                    f"{ann.deferred[node].name}: S(seq)")
         elif ann.seq_dims and role in (Role.ROW, Role.PARTIAL) and node not in ann.seq_dims:
             rule = (f"{rule}; all-reduced, then sliced onto the ranks' tokens (no dim of its "
                     "own is the sequence: sequence-parallel fallback)")

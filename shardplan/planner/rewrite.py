@@ -68,6 +68,7 @@ class _Rewriter:
         self.at_edge: dict = {}  # (consumer, path) -> [Transition]
         self.after: dict = {}  # annotated node -> its G (or sequence scatter) transition
         self.gathers: list[Transition] = []
+        self.bias: dict = {}  # annotated view -> the bias of the partial result it views
         self.fused: set = set()  # annotated linears run by the first linear sharing their input
         for t in ann.transitions:
             if t.purpose in (Purpose.G, Purpose.SEQ_SCATTER):
@@ -111,6 +112,8 @@ class _Rewriter:
                 node = self.env[orig] = self._vocab_embedding(node, out)
             elif out.role is Role.VOCAB_LOSS:
                 node = self._vocab_loss(orig, node)
+            if orig in self.ann.deferred and out.bias is not None:  # added after the scatter
+                node, self.bias[self.ann.deferred[orig]] = self._strip_bias(orig, node, out)
             if orig in self.after:
                 self._reduce(orig, node, out, self.after[orig])
 
@@ -185,18 +188,8 @@ class _Rewriter:
         """g (or the sequence scatter) after a partial result; a bias operand is added
         once, after it."""
         users = list(node.users)
-        bias = None
-        if out.bias is not None:
-            bias = operand(node, out.bias)
-            if op_name(node) == "aten.addmm.default":  # mm now, the bias after g
-                with self.graph.inserting_before(node):
-                    mm = self.graph.call_function(aten.mm.default, (node.args[1], node.args[2]))
-                mm.meta = dict(node.meta)
-                node.replace_all_uses_with(mm)
-                self.graph.erase_node(node)
-                node = self.env[orig] = mm
-            else:
-                replace_operand(node, out.bias, None)
+        node, bias = self._strip_bias(orig, node, out)
+        bias = self.bias.get(orig, bias)
         if t.purpose is Purpose.SEQ_SCATTER:
             mod = self._module("seq_scatter",
                                ScatterToSequence(self.group, t.after.dim, self._site(node)))
@@ -212,6 +205,19 @@ class _Rewriter:
         for u in users:
             if u is not node:
                 u.replace_input_with(node, last)
+
+    def _strip_bias(self, orig: fx.Node, node: fx.Node, out) -> tuple[fx.Node, fx.Node | None]:
+        """``node`` without its bias operand (an addmm becomes an mm), and the bias."""
+        if out.bias is None:
+            return node, None
+        bias = operand(node, out.bias)
+        if op_name(node) == "aten.addmm.default":
+            with self.graph.inserting_before(node):
+                mm = self.graph.call_function(aten.mm.default, (node.args[1], node.args[2]))
+            node = self.env[orig] = self._replace(node, mm)
+        else:
+            replace_operand(node, out.bias, None)
+        return node, bias
 
     def _keep_shard(self, orig: fx.Node, node: fx.Node, t: Transition,
                     shard: fx.Node) -> fx.Node:
