@@ -20,7 +20,8 @@ from shardplan.models import build
 from shardplan.planner.capture import capture
 from shardplan.ranks import SimulatedRanks
 
-from sp_cases import SequenceFirst, autocast_step, dropout_steps, real_step, step
+from sp_cases import (SequenceFirst, autocast_step, dropout_steps, hf_real_steps, real_step,
+                      step)
 
 B, T = 2, 8
 
@@ -253,6 +254,35 @@ def _assert_llama_ledger(results, cfg):
 def test_real_gloo(real_ranks, name):
     model, args = _bundled(name)
     _assert_equal(real_ranks(2).run(real_step, name, args), model, args)
+
+
+@pytest.mark.real
+@pytest.mark.timeout(300)
+def test_real_gloo_hf(real_ranks):
+    """HF GPT-2 (Conv1D), Llama (GQA) and BERT (post-norm), one layer each, on two gloo
+    processes, one launch: outputs, loss and every gradient equal the unsharded model's on every rank;
+    the blocks run on S(seq) and every rank's ledger reduce-scatters each block's
+    sublayer outputs (2 per layer, and the embedding's) where plain all-reduces."""
+    pytest.importorskip("transformers")
+    from hf_cases import build as hf_build, inputs
+    kinds = ("gpt2", "llama", "bert")
+    got = real_ranks(2).run(hf_real_steps, kinds, B, T)
+    for kind in kinds:
+        model, kw = hf_build(kind, heads=8, kv_heads=4, layers=1), inputs(B, T)
+        results = [r[kind] for r in got]
+        _assert_equal(results, model, (), kw)
+        plan = results[0][5]
+        L, h = model.config.num_hidden_layers, model.config.hidden_size
+        assert plan.sequence_parallel and not [w for w in plan.warnings if "falls back" in w]
+        on_tokens = {d.module for d in plan.decisions if d.sequence}
+        for i in range(L):
+            assert any(f".{i}." in m for m in on_tokens), (kind, i)
+        for records in (r[4] for r in results):
+            fwd = [(r.kind, r.elements) for r in records if r.direction == "forward"]
+            assert fwd.count(("reduce_scatter", B * T * h)) == 2 * L + 1, kind
+            assert not [n for k, n in fwd if k == "all_reduce" and n == B * T * h], kind
+        if kind == "gpt2":
+            _assert_conv1d_on_tokens(results, model.config)
 
 
 @pytest.mark.real
