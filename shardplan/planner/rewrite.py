@@ -244,6 +244,13 @@ class _Rewriter:
             self.env[c] = self._replace(self.env[c], out)
             self.fused.add(c)
         self.fused.discard(orig)
+        gather = next((g for g in self.at_edge.get((orig, (0,)), ())
+                       if g.purpose is Purpose.SEQ_GATHER), None)
+        if gather is not None and {c for c, _ in gather.consumers} == set(linears):
+            gathered = fused.args[0]  # read by these linears alone: they gather it themselves
+            fused.args = (None, *fused.args[1:])
+            self.graph.erase_node(gathered)
+            self.gm.delete_submodule(gathered.target)
         return self.env[orig]
 
     def gather_outputs(self) -> None:

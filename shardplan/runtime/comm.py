@@ -74,6 +74,21 @@ class Group:
             return t.clone()
         return self._reduce_scatter(t.contiguous(), dim)
 
+    def reduce_scatter_all_gather(self, t: torch.Tensor, part: torch.Tensor, dim: int, *,
+                                  direction: str = "none", site: str | None = None):
+        """``(reduce_scatter(t, dim), all_gather(part, dim))`` as one exchange where the
+        backend allows (gloo: one all-to-all carrying both): two collectives, one call."""
+        dim = dim % t.dim()
+        if torch.compiler.is_dynamo_compiling() or self.size == 1:
+            return (self.reduce_scatter(t, dim, direction=direction, site=site),
+                    self.all_gather(part, dim, direction=direction, site=site))
+        self._log("reduce_scatter", t.numel(), t.element_size(), direction, site)
+        self._log("all_gather", part.numel() * self.size, part.element_size(), direction, site)
+        return self._reduce_scatter_all_gather(t.contiguous(), part.contiguous(), dim)
+
+    def _reduce_scatter_all_gather(self, t, part, dim):
+        return self._reduce_scatter(t, dim), self._all_gather(part, dim)
+
     def broadcast(self, t: torch.Tensor, src: int = 0, *, site: str | None = None) -> torch.Tensor:
         """Rank ``src``'s tensor, on every rank."""
         self._log("broadcast", t.numel(), t.element_size(), "none", site)
@@ -195,6 +210,20 @@ class TorchGroup(Group):
         got = torch.empty_like(parts)
         self._checked(dist.all_to_all_single, got, parts, group=self.pg)
         return got.sum(0)
+
+    def _reduce_scatter_all_gather(self, t, part, dim):
+        if self.device.type == "cuda":
+            return super()._reduce_scatter_all_gather(t, part, dim)
+        # to each rank its part of t and our part, in one all-to-all
+        parts = _stack(t, self.size, dim).flatten(1)
+        n = parts.shape[1]
+        send = torch.cat([parts, part.reshape(1, -1).expand(self.size, -1)], 1)
+        got = torch.empty_like(send)
+        self._checked(dist.all_to_all_single, got, send, group=self.pg)
+        shape = list(t.shape)
+        shape[dim] //= self.size
+        summed = got[:, :n].sum(0).view(shape)
+        return summed, _unstack(got[:, n:].reshape(self.size, *part.shape), dim)
 
     def _broadcast(self, t, src):
         out = t.clone()

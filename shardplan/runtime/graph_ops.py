@@ -69,7 +69,8 @@ class GatherSequence(nn.Module):
 
 class LinearsOnGatheredSequence(nn.Module):
     """The linears reading one sequence-parallel f's output: they keep the shard for
-    backward, all-gathered again there once for all of them (a tuple of outputs)."""
+    backward, all-gathered again there once for all of them (a tuple of outputs). With
+    ``x=None`` they are the gather's only readers and gather it themselves."""
 
     def __init__(self, group: Group, dim: int, site: str):
         super().__init__()

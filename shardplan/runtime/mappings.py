@@ -178,33 +178,51 @@ class _LinearsOnGatheredSequence(torch.autograd.Function):
         ctx.save_for_backward(shard, *(w for w, _ in pairs))
         ctx.group, ctx.dim, ctx.site = group, dim, site
         ctx.biases = [b is not None for _, b in pairs]
+        ctx.gathers = x is None
+        if ctx.gathers:
+            x = group.all_gather(shard, dim, direction="forward", site=site)
         return tuple(torch.nn.functional.linear(x, w, b) for w, b in pairs)
 
     @staticmethod
     def backward(ctx, *grads):
         shard, *weights = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        need_x, wb = needs[0], needs[5:]
+        need_x, wb = needs[1] if ctx.gathers else needs[0], needs[5:]
+        need_w = any(wb[::2])
         # under autocast forward ran in the grads' dtype; autograd casts the results back
         grad_x = sum(g.matmul(w.to(g.dtype)) for g, w in zip(grads, weights)) if need_x else None
-        x = None
-        if any(wb[::2]):  # one all-gather serves every weight's gradient
-            x = ctx.group.all_gather(shard, ctx.dim, direction="backward", site=ctx.site)
+        x = grad_shard = None
+        if ctx.gathers and need_x and need_w:  # the input's sum and the re-gather: one call
+            grad_shard, x = ctx.group.reduce_scatter_all_gather(
+                grad_x, shard, ctx.dim, direction="backward", site=ctx.site)
+        else:
+            if ctx.gathers and need_x:
+                grad_shard = ctx.group.reduce_scatter(grad_x, ctx.dim, direction="backward",
+                                                      site=ctx.site)
+            if need_w:  # one all-gather serves every weight's gradient
+                x = ctx.group.all_gather(shard, ctx.dim, direction="backward", site=ctx.site)
+        if x is not None:
             x = x.reshape(-1, x.shape[-1])
         out = []
         for g, need_w, need_b, bias in zip(grads, wb[::2], wb[1::2], ctx.biases):
             g2 = g.reshape(-1, g.shape[-1])
             out.append(g2.t().matmul(x.to(g.dtype)) if need_w else None)
             out.append(g2.sum(0) if need_b and bias else None)
+        if ctx.gathers:
+            return (None, grad_shard, None, None, None, *out)
         return (grad_x, None, None, None, None, *out)
 
 
-def linears_on_gathered_sequence(x: torch.Tensor, shard: torch.Tensor, weights_and_biases,
+def linears_on_gathered_sequence(x: torch.Tensor | None, shard: torch.Tensor, weights_and_biases,
                                  group, *, dim: int, site: str | None = None) -> tuple:
     """``linear(x, w, b)`` for each ``(w, b)`` pair (``b`` may be None), where ``x`` is
     ``shard`` all-gathered along ``dim``: backward keeps ``shard`` (1/tp of the tokens)
     instead of ``x`` and all-gathers it once, when every output's gradient is ready, for
-    all the weights' gradients; ``x``'s gradient flows back through its gather."""
+    all the weights' gradients; ``x``'s gradient flows back through its gather.
+
+    ``x=None``: the gather is done here (its only readers are these linears), and
+    backward's reduce-scatter of the input gradient and the re-gather go as one exchange
+    (``Group.reduce_scatter_all_gather``)."""
     return _LinearsOnGatheredSequence.apply(x, shard, as_group(group), dim, _site(site),
                                             *weights_and_biases)
 
