@@ -15,9 +15,10 @@ Communication: ``shardplan.plan(model, tp, sequence_parallel=...)``'s collective
 summed bytes per step (forward and backward), by purpose.
 
 Time: two gloo processes (``RealRanks(2)``, one torch thread each), a step is
-forward, backward, AdamW step and zero_grad; each round runs one step of both
-contenders in an order rotated every round, each after a barrier; a step's time
-is the slower rank's; ratios per round.
+forward, backward, AdamW step and zero_grad; each round runs one step of each
+contender (plain, SP, DTensor's hand-written sequence-parallel plan) in an order
+rotated every round, each after a barrier; a step's time is the slower rank's;
+ratios per round; shardplan's c10d calls timed per contender.
 """
 
 from __future__ import annotations
@@ -379,8 +380,11 @@ def main(argv=None) -> int:
         "embedding is replicated); under SP that head runs on this rank's tokens, so its V·h "
         "weight gradient is summed over the ranks, and its logits are gathered for the loss "
         "(`seq_unshard`); at the long-sequence size the head is vocab-parallel as in plain and "
-        "the only such term is the position embedding's s·h gradient sum. The gradient sums "
-        "are fixed per model, so they weigh less as b·s grows.", "",
+        "the only such term is the position embedding's s·h gradient sum (Megatron, with a "
+        "learned position embedding, all-reduces the word embedding instead, adds the "
+        "positions on the whole sequence and then splits it: an all-reduce where we "
+        "reduce-scatter, and no gradient sum). The gradient sums are fixed per model, so they "
+        "weigh less as b·s grows.", "",
         f"Training-step time at tp=2 on gloo (h {tsz['h']}, {tsz['heads']} heads, s {tsz['seq']}, "
         f"b {tsz['batch']}, {tsz['layers']} layers, vocabulary {tsz['vocab']}; {warmup} warm-up, "
         f"{steps} timed rounds):", "",
@@ -442,11 +446,16 @@ def main(argv=None) -> int:
         "each column GEMM's saved input shard (`seq_regather`), and the all-reduces of the "
         "gradients of per-token replicated parameters (`seq_grad`: norm weights and biases, row "
         "biases, position embedding).", "",
-        "**Time**: two gloo processes (`RealRanks(2)`, one torch thread each), both contenders "
-        "built from the same weights and batch with an AdamW each; a step is forward, backward, "
-        "`optimizer.step()`, `zero_grad()`; each round runs one step of each, the order "
-        "alternating, each after a barrier; a step's time is the slower rank's; ratios are per "
-        "round, median (min–max).", "",
+        "**Time**: two gloo processes (`RealRanks(2)`, one torch thread each), three "
+        "contenders built from the same weights and batch (the GPT with separate q, k, v, "
+        "which DTensor's styles need) with an AdamW each: plain, SP, and DTensor's own "
+        "sequence-parallel plan written by hand (`benchmarks/dtensor_plan.py`, "
+        "`sequence_parallel`: torchtitan's recipe, `SequenceParallel` norms, "
+        "`PrepareModuleInput` from `Shard(1)`, column / row layers with `Shard(1)` "
+        "outputs, `loss_parallel`); a step is forward, backward, `optimizer.step()`, "
+        "`zero_grad()`; each round runs one step of each, the order rotated every round, each "
+        "after a barrier; a step's time is the slower rank's; ratios are per round, median "
+        "(min–max). shardplan's collectives are timed around each c10d call.", "",
         text, ""])
     write_doc(HEADING, section)
     return 0
