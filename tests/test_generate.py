@@ -140,12 +140,13 @@ def test_bundled_generate_matches_unsharded(preset, cfg):
         assert torch.equal(got[2], greedy)
 
 
-def test_cli_generates_from_a_checkpoint(tmp_path, capsys):
+@pytest.mark.parametrize("preset", ["gpt-tiny", "llama-tiny"])  # llama: RoPE buffers unsaved
+def test_cli_generates_from_a_checkpoint(tmp_path, capsys, preset):
     from shardplan import cli
     torch.manual_seed(4)
-    model = build("gpt-tiny").eval()
+    model = build(preset).eval()
     safetensors.torch.save_model(model, tmp_path / "model.safetensors")
     expected = generate(model, torch.tensor([[1, 2, 3]]), max_new_tokens=4)
-    assert cli.main(["generate", "gpt-tiny", "--tp", "2", "--prompt", "1, 2, 3",
+    assert cli.main(["generate", preset, "--tp", "2", "--prompt", "1, 2, 3",
                      "--max-new-tokens", "4", "--checkpoint", str(tmp_path)]) == 0
     assert capsys.readouterr().out.split() == [str(int(t)) for t in expected[0]]
