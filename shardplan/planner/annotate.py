@@ -39,8 +39,9 @@ from ..errors import ConfigurationError, DivisibilityError, LayoutError
 from ..layouts import Partial, Replicate, Shard
 from .graph import args_of, describe, floating, hint, op_name, operand, operands, shape
 from .kinds import KINDS, Conflict, Context, Outcome, Role
-from .kinds.base import any_sharded, replicated_like
+from .kinds.base import any_sharded, replicated_like, with_dim
 from .kinds.factors import labels
+from .kinds.permute import viewed_parameter
 from .reshape import keeps_last_dim
 from .rules import RuleSet
 from .transitions import Collective, Purpose, Transition, dtype_of, message
@@ -189,7 +190,8 @@ class _Pass:
             outcome.conflict.origins = outcome.conflict.origins or origins
             self.conflicts.append(outcome.conflict)
             outcome = Outcome(replicated_like(node), rule="conflict")
-        self._params_needed(node, ins, outcome, origins)
+        if viewed_parameter(node) is None:  # a weight's view: its consumers say how it is held
+            self._params_needed(node, ins, outcome, origins)
         self.outcomes[node] = outcome
         self.layouts[node] = outcome.out
         dims = self.seq_dims.get(node, ())
@@ -200,13 +202,18 @@ class _Pass:
         self.origins[node] = origins if any_sharded(read_as(outcome.out)) else frozenset()
 
     def _params_needed(self, node, ins, outcome: Outcome, origins) -> None:
-        """Record layouts required of parameters/buffers; disagreeing uses conflict."""
+        """Record layouts required of parameters/buffers (read directly or through a
+        permute: ``x @ W.T``); disagreeing uses conflict."""
         if outcome.role in (Role.COLUMN, Role.VOCAB_EMBEDDING):
             origins = origins | {node}
         for path, a in ins:
+            need = outcome.needs.get(path, R)
+            view = viewed_parameter(a)
+            if view is not None:
+                a, perm = view
+                need = with_dim(need, perm[need.dim]) if isinstance(need, Shard) else R
             if a.op != "get_attr":
                 continue
-            need = outcome.needs.get(path, R)
             have = self.param_layouts.get(a.target)
             if have is None:
                 self.param_layouts[a.target] = (need, origins)
@@ -265,6 +272,7 @@ class _Pass:
     def _open_column(self, node, name) -> Outcome | None:
         spec = self.openers[name]
         w = node.args[spec.weight] if len(node.args) > spec.weight else None
+        w = (viewed_parameter(w) or (w,))[0] if isinstance(w, fx.Node) else w
         if not (isinstance(w, fx.Node) and w.op == "get_attr" and w.target in self.params):
             return None
         lab = labels(node, self.rules.einsum[name])
@@ -341,6 +349,7 @@ def _kept_replicated(gm: fx.GraphModule, rules: RuleSet, keep: dict) -> dict:
     for node in gm.graph.nodes:
         i = weights.get(op_name(node)) if node.op == "call_function" else None
         w = node.args[i] if i is not None and len(node.args) > i else None
+        w = (viewed_parameter(w) or (w,))[0] if isinstance(w, fx.Node) else w
         if isinstance(w, fx.Node) and w.op == "get_attr" and not isinstance(keep.get(w.target), Shard):
             out[node] = ("replicated, as in the model's first capture", False)
     return out
@@ -516,7 +525,8 @@ def _transitions(ann: Annotation) -> list[Transition]:
             need, have = o.needs.get(path, R), ann.read(a)
             if not isinstance(have, Replicate):
                 continue
-            if isinstance(need, Shard) and a.op == "get_attr":  # sliced when bound
+            if isinstance(need, Shard) and (a.op == "get_attr" or viewed_parameter(a)):
+                # sliced when bound
                 if need.replicas > 1 and ann.requires_grad.get(a):
                     shared(Purpose.REPLICA_GRAD, a, (node, path), before=need, after=need,
                            forward=Collective.NONE, backward=Collective.REPLICA_SUM)
