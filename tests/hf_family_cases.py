@@ -47,3 +47,10 @@ def captured(family: str):
     (export is the slow part)."""
     from shardplan.planner.capture import capture
     return capture(build(family), (), inputs())
+
+
+def real_steps(ctx, families: tuple[str, ...]) -> list:
+    """On a real rank: ``hf_cases.step`` (parallelize, forward, backward) of each family,
+    one process group for all; (logits, loss, grads, layouts) each."""
+    from hf_cases import step
+    return [step(ctx, build(f), inputs())[:4] for f in families]

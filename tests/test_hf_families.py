@@ -16,7 +16,7 @@ from shardplan.ranks import SimulatedRanks  # noqa: E402
 
 from checks import assert_equivalent  # noqa: E402
 from hf_cases import inputs, reference, step  # noqa: E402
-from hf_family_cases import build, captured  # noqa: E402
+from hf_family_cases import build, captured, real_steps  # noqa: E402
 
 
 def kv(tp: int) -> str:
@@ -73,6 +73,21 @@ def test_family_is_sharded_and_equal(family, tp):
         assert not plan.warnings, plan.warnings
     if family in ("mixtral", "qwen2_moe"):
         assert_params_per_rank(model, plan, tp)
+
+
+@pytest.mark.real
+@pytest.mark.timeout(400)
+def test_tp2_real_gloo(real_ranks):
+    """The experts' grouped GEMMs and Falcon's ``x @ W.T`` on two gloo processes, one
+    launch for both models."""
+    families = ("qwen2_moe", "falcon_gqa")
+    results = real_ranks(2).run(real_steps, families)
+    for i, family in enumerate(families):
+        per_rank = [r[i] for r in results]
+        assert_equivalent(per_rank, reference(build(family), inputs()))
+        want = expected(family, 2)
+        for rank, r in enumerate(per_rank):
+            assert {n: str(r[3][n]) for n in want} == want, f"{family}, rank {rank}"
 
 
 def assert_params_per_rank(model, plan, tp: int) -> None:
