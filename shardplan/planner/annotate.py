@@ -42,6 +42,7 @@ from .kinds import KINDS, Conflict, Context, Outcome, Role
 from .kinds.base import any_sharded, replicated_like, with_dim
 from .kinds.factors import labels
 from .kinds.permute import viewed_parameter
+from .linear_chains import earlier_f, pass_partials
 from .reshape import keeps_last_dim
 from .rules import RuleSet
 from .transitions import Collective, Purpose, Transition, dtype_of, message
@@ -69,6 +70,9 @@ class Annotation:
     scattered: dict = field(default_factory=dict)
     gathered: dict = field(default_factory=dict)
     seq_dims: dict = field(default_factory=dict)
+    # partial nodes read by an op linear in them: their sum is reduced after it (a g moved
+    # on to where the tensor is smallest: an MoE layer's sum over the top-k)
+    passed: set = field(default_factory=set)
 
     def read(self, node: fx.Node, consumer: fx.Node | None = None, path=None):
         """The layout ``consumer`` reads of ``node`` (after its g, scatter or gather)."""
@@ -135,6 +139,8 @@ def annotate(gm: fx.GraphModule, tp: int, rules: RuleSet, *, strict: bool = Fals
                     for n, (why, warn) in disabled.items() if warn]
     if sequence_parallel:
         ann.warnings += _sequence_fallbacks(ann)
+    else:
+        ann.passed = pass_partials(ann.layouts, ann.outcomes, Context(tp, rules))
     ann.transitions = _transitions(ann)
     return ann
 
@@ -509,7 +515,7 @@ def _transitions(ann: Annotation) -> list[Transition]:
         entering = any_sharded(o.out)
         grad_sum = Purpose.SEQ_GRAD if ann.on_tokens(node, o.out) else Purpose.F
         for path, a in operands(node):
-            if path == o.bias:
+            if path == o.bias or a in ann.passed:  # a partial sum flowing on: no f
                 continue
             if (node, path) in ann.gathered:
                 lay, purpose = ann.gathered[(node, path)]
@@ -532,7 +538,9 @@ def _transitions(ann: Annotation) -> list[Transition]:
                            forward=Collective.NONE, backward=Collective.REPLICA_SUM)
                 continue
             if entering and ann.requires_grad.get(a):
-                shared(grad_sum, a, (node, path), before=R, after=R,
+                src, edge = (a, (node, path)) if ann.seq_dims else \
+                    earlier_f(node, path, a, ann.requires_grad, Context(ann.tp, ann.rules))
+                shared(grad_sum, src, edge, before=R, after=R,
                        forward=Collective.NONE, backward=Collective.ALL_REDUCE)
             if isinstance(need, Shard):
                 out.append(Transition(Purpose.SPLIT, a, ((node, path),), R, need,
@@ -556,7 +564,7 @@ def _transitions(ann: Annotation) -> list[Transition]:
             if bias is not None and ann.requires_grad.get(bias):  # added per token after it
                 shared(Purpose.SEQ_GRAD, bias, (node, o.bias), before=R, after=R,
                        forward=Collective.NONE, backward=Collective.ALL_REDUCE)
-        elif isinstance(o.out, Partial):
+        elif isinstance(o.out, Partial) and node not in ann.passed:
             out.append(Transition(Purpose.G, node, tuple((u, None) for u in node.users),
                                   Partial(), R, Collective.ALL_REDUCE, Collective.NONE,
                                   (message(node),), dtype_of(node)))
