@@ -422,6 +422,18 @@ def test_einsum_attention_is_sharded():
     assert_megatron_plan(build_model(EINSUM), plan, prefix="blocks.")
 
 
+MOE = ModelCfg(dim=16, loss=True, blocks=(BlockCfg(
+    attn=AttnCfg(heads=4, kv_heads=4, head_dim=4), mlp=MlpCfg(hidden=16, act="moe")),))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_moe_experts_are_counted(tp):
+    """The fuzzer's experts, fixed (the drawn sample may not hold one): equal on every
+    rank, each expert split Megatron's way, and Megatron's collectives plus the routing
+    weights' f (counted_case)."""
+    assert run_case(MOE, tp) == "sharded"
+
+
 # --------------------------------------------------------------------------- train-mode dropout
 
 # The examples above run in eval mode, where dropout does nothing. These put train-mode
