@@ -32,7 +32,13 @@ FAMILIES = list(CONFIGS)
 
 
 def build(family: str) -> torch.nn.Module:
+    """``family`` of CONFIGS; ``mixtral_batched_mm``: Mixtral with HF's other capturable
+    experts implementation (each token's expert weights gathered, then ``bmm``)."""
     import transformers as tf
+    if family == "mixtral_batched_mm":
+        model = build("mixtral")
+        model.set_experts_implementation("batched_mm")
+        return model
     cls, sizes = CONFIGS[family]
     cfg = getattr(tf, cls)(num_hidden_layers=1, vocab_size=VOCAB, max_position_embeddings=64,
                            bos_token_id=0, eos_token_id=0, use_cache=False, **sizes)

@@ -35,6 +35,7 @@ def expected(family: str, tp: int) -> dict:
     m = "model.layers.0.mlp.shared_expert"
     return {
         "mixtral": {**attention, **experts},
+        "mixtral_batched_mm": {**attention, **experts},
         "qwen2_moe": {**attention, **experts, m + ".gate_proj.weight": "S(0)",
                       m + ".up_proj.weight": "S(0)", m + ".down_proj.weight": "S(1)",
                       m + "_gate.weight": "R"},  # 1 wide: does not split
@@ -53,7 +54,8 @@ def expected(family: str, tp: int) -> dict:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("tp", [2, 4])
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "falcon_mqa", "falcon_gqa", "phi3"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "falcon_mqa", "falcon_gqa", "phi3",
+                                    "mixtral_batched_mm"])
 def test_family_is_sharded_and_equal(family, tp):
     model, kw = build(family), inputs()
     results = SimulatedRanks(tp).run(step, model, kw, True, captured(family))
@@ -71,8 +73,14 @@ def test_family_is_sharded_and_equal(family, tp):
     assert all(d.rule for d in plan.decisions if d.role == "replicated"), plan.decisions
     if family != "falcon_mqa":
         assert not plan.warnings, plan.warnings
-    if family in ("mixtral", "qwen2_moe"):
+    if family.startswith(("mixtral", "qwen2_moe")):
         assert_params_per_rank(model, plan, tp)
+        # Megatron's one g after the experts' combine (b*s*h), not one per top-k copy
+        g = [c for c in plan.collectives if c.purpose == "g" and "experts" in c.module]
+        assert [c.elements for c in g] == [plan.tokens * model.config.hidden_size], g
+        # and its f before the tokens are copied k times: no f is larger than b*s*h
+        f = [c.elements for c in plan.collectives if c.purpose == "f"]
+        assert max(f) == plan.tokens * model.config.hidden_size, f
 
 
 @pytest.mark.real

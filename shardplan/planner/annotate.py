@@ -217,6 +217,10 @@ class _Pass:
             view = viewed_parameter(a)
             if view is not None:
                 a, perm = view
+                if isinstance(need, Shard) and perm[need.dim] is None:
+                    self.conflicts.append(Conflict(
+                        node, f"{a.target}'s gathered rows are needed split", origins | {node}))
+                    continue
                 need = with_dim(need, perm[need.dim]) if isinstance(need, Shard) else R
             if a.op != "get_attr":
                 continue
@@ -278,13 +282,16 @@ class _Pass:
     def _open_column(self, node, name) -> Outcome | None:
         spec = self.openers[name]
         w = node.args[spec.weight] if len(node.args) > spec.weight else None
-        w = (viewed_parameter(w) or (w,))[0] if isinstance(w, fx.Node) else w
+        view = viewed_parameter(w) if isinstance(w, fx.Node) else None
+        w = view[0] if view else w
         if not (isinstance(w, fx.Node) and w.op == "get_attr" and w.target in self.params):
             return None
         lab = labels(node, self.rules.einsum[name])
         if lab is None:
             return None
         wdim = lab[(spec.weight,)].index(spec.factor)
+        if view and view[1][wdim] is None:  # the factor is the gathered rows' index
+            return None
         odim = lab["out"].index(spec.factor)
         size = hint(shape(node)[odim])
         blocks = _segments(node, odim, self.ctx)
@@ -385,6 +392,9 @@ def _segments(node: fx.Node, dim: int, ctx: Context) -> tuple[int, ...] | None:
             elif kind == "reshape" and ushape and d == rank - 1 and \
                     keeps_last_dim([hint(x) for x in shape(cur)], [hint(x) for x in ushape]):
                 frontier.append((user, len(ushape) - 1))
+            elif kind == "reshape" and ushape and len(ushape) > d and \
+                    [hint(x) for x in shape(cur)[:d + 1]] == [hint(x) for x in ushape[:d + 1]]:
+                frontier.append((user, d))  # dims after d regrouped (bmm's [S, n, 1] squeezed)
             elif kind is not None and user.args and user.args[0] is cur:
                 bounds |= KINDS[kind].cuts(user, d)
     bounds = sorted(b for b in bounds if 0 < b < size)

@@ -35,13 +35,20 @@ class PermuteKind(Kind):
         return Outcome(with_dim(lay, perm.index(lay.dim)), rule="permute")
 
 
-def viewed_parameter(node: fx.Node) -> tuple[fx.Node, list[int]] | None:
+def viewed_parameter(node: fx.Node) -> tuple[fx.Node, list] | None:
     """A weight read through a permute (Falcon's ``x @ W.T``, HF experts'
-    ``gate_up_proj.transpose(-2, -1)``): the ``get_attr`` it reads and the
-    permutation (output dim i = the weight's dim perm[i]); else None."""
-    if node.op != "call_function" or op_name(node) not in _PERMUTATIONS:
+    ``gate_up_proj.transpose(-2, -1)``) or by gathering its rows (HF's batched
+    experts: ``gate_up_proj[expert_ids]``): the ``get_attr`` it reads and the
+    weight dim of each dim of the view (None: the gathered rows' index dims);
+    else None."""
+    if node.op != "call_function" or not node.args:
         return None
     src = node.args[0]
     if not (isinstance(src, fx.Node) and src.op == "get_attr"):
         return None
-    return src, _PERMUTATIONS[op_name(node)](args_of(node), len(shape(node)))
+    if op_name(node) in _PERMUTATIONS:
+        return src, _PERMUTATIONS[op_name(node)](args_of(node), len(shape(node)))
+    index = args_of(node).get("indices") if op_name(node) == "aten.index.Tensor" else None
+    if index and len(index) == 1 and isinstance(index[0], fx.Node) and shape(index[0]):
+        return src, [None] * len(shape(index[0])) + list(range(1, len(shape(src))))
+    return None
