@@ -75,8 +75,9 @@ def test_family_is_sharded_and_equal(family, tp):
         assert not plan.warnings, plan.warnings
     if family.startswith(("mixtral", "qwen2_moe")):
         assert_params_per_rank(model, plan, tp)
-        # Megatron's one g after the experts' combine (b*s*h), not one per top-k copy
-        g = [c for c in plan.collectives if c.purpose == "g" and "experts" in c.module]
+        # Megatron's one g per MoE layer (b*s*h), after the experts' combine and the
+        # shared expert's sum: not one per top-k copy, nor one per expert kind
+        g = [c for c in plan.collectives if c.purpose == "g" and ".mlp" in c.module]
         assert [c.elements for c in g] == [plan.tokens * model.config.hidden_size], g
         # and its f before the tokens are copied k times: no f is larger than b*s*h
         f = [c.elements for c in plan.collectives if c.purpose == "f"]

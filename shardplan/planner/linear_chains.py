@@ -33,9 +33,8 @@ def _linear_in(node: fx.Node, a: fx.Node, ctx: Context) -> tuple | None:
     return paths[0] if len(paths) == 1 and paths[0] in [(i,) for i in positions] else None
 
 
-def defer_g(node: fx.Node, layouts: dict, outcomes: dict, ctx: Context) -> list[fx.Node]:
-    """The ops after partial ``node`` that the partial sum can flow through before its
-    g, up to the smallest tensor on the way ([] when nothing gets smaller): each the
+def reach(node: fx.Node, layouts: dict, outcomes: dict, ctx: Context) -> list[fx.Node]:
+    """Every op after partial ``node`` that its partial sum can flow through: each the
     one reader of the one before, linear in it, its other operands not split."""
     chain, cur = [], node
     if outcomes[node].bias is not None:  # a bias is added after g
@@ -51,6 +50,13 @@ def defer_g(node: fx.Node, layouts: dict, outcomes: dict, ctx: Context) -> list[
             break
         chain.append(nxt)
         cur = nxt
+    return chain
+
+
+def defer_g(node: fx.Node, layouts: dict, outcomes: dict, ctx: Context) -> list[fx.Node]:
+    """The ops after partial ``node`` its g moves past: ``reach`` up to the smallest
+    tensor on the way ([] when nothing gets smaller)."""
+    chain = reach(node, layouts, outcomes, ctx)
     sizes = [numel(n) for n in chain]
     if not sizes or min(sizes) >= numel(node):
         return []
@@ -61,14 +67,36 @@ def pass_partials(layouts: dict, outcomes: dict, ctx: Context) -> set:
     """Make every chain ``defer_g`` finds partial (in ``layouts`` and ``outcomes``); the
     nodes whose partial sum flows on to their user, unreduced."""
     passed = set()
-    for node in [n for n, lay in layouts.items() if isinstance(lay, Partial)]:
-        if node in passed or not isinstance(layouts.get(node), Partial):
-            continue
-        chain = defer_g(node, layouts, outcomes, ctx)
+
+    def flow(node, chain):
         for prev, n in zip([node, *chain], chain):
             passed.add(prev)
             layouts[n] = Partial()
             outcomes[n] = Outcome(Partial(), rule="linear in a partial sum: g after it")
+
+    for node in [n for n, lay in layouts.items() if isinstance(lay, Partial)]:
+        if node not in passed and isinstance(layouts.get(node), Partial):
+            flow(node, defer_g(node, layouts, outcomes, ctx))
+    # partial sums that flow into one sum (an MoE layer's experts and its shared expert):
+    # one g, after the sum, instead of one each
+    joins: dict = {}  # sum node -> {operand path: (g node, chain to it)}
+    for node in [n for n, lay in layouts.items() if isinstance(lay, Partial) and n not in passed]:
+        if outcomes[node].bias is not None:  # a bias is added after g
+            continue
+        chain = reach(node, layouts, outcomes, ctx)
+        end = chain[-1] if chain else node
+        users = _users(end, ctx)
+        if len(users) == 1 and op_name(users[0]) in ctx.rules.strategy.partial_sums:
+            paths = [p for p, b in operands(users[0]) if b is end]
+            if len(paths) == 1:
+                joins.setdefault(users[0], {})[paths[0]] = (node, chain)
+    for total, parts in joins.items():
+        if len(parts) == len(operands(total)) >= 2:
+            for node, chain in parts.values():
+                flow(node, [*chain, total])
+            layouts[total] = Partial()
+            outcomes[total] = Outcome(Partial(), rule="sum of partial sums: one g after it")
+            flow(total, defer_g(total, layouts, outcomes, ctx))
     return passed
 
 
