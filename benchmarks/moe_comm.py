@@ -8,10 +8,10 @@ the Megatron optimum.
 The models are built on ``meta`` (nothing is allocated) and only planned: a
 plan's collectives are the list every rank executes (the ledger tests check
 that). HF's experts run on each token k times (top-k), sorted by expert; the
-peer is the plan whose rule set has no ``partial_through`` ops, so each MoE
-layer's g follows the down projection's grouped GEMM (b·s·k·h elements) and its
-f precedes the up projection (b·s·k·h), instead of one g after the sum over
-the k and one f before the token gather (b·s·h each). The Megatron optimum is
+peer is the plan whose rule set has no ``partial_through`` or ``partial_sums``
+ops, so each MoE layer's g follows the down projection's grouped GEMM (b·s·k·h
+elements) and its f precedes the up projection (b·s·k·h), instead of one g after
+the sum over the k and one f before the token gather (b·s·h each). The Megatron optimum is
 ``megatron_manual.megatron_optimum`` (2 all-reduces of b·s·h per layer each way,
 the embedding's, the LM head's and the loss's); shardplan adds the routing
 weights' f (b·s·k, their gradient is a partial sum) and, where K/V heads are
@@ -54,11 +54,13 @@ def build(family: str, quick: bool):
 
 
 def rules_without_moves(tmp: Path) -> Path:
-    """The bundled rules with ``partial_through`` emptied: g and f stay at the GEMMs."""
+    """The bundled rules with ``partial_through`` and ``partial_sums`` emptied: g and f
+    stay at the GEMMs."""
     from shardplan.planner.rules import _bundled_dir
     text = (_bundled_dir() / "megatron.toml").read_text()
     text, n = re.subn(r"(?m)^partial_through = \{.*\}$", "partial_through = {}", text)
-    assert n == 1, "the rule file's partial_through line moved"
+    text, m = re.subn(r"(?m)^partial_sums = \[.*\]$", "partial_sums = []", text)
+    assert n == m == 1, "the rule file's partial_through / partial_sums lines moved"
     path = tmp / "no_moves.toml"
     path.write_text(text)
     return path
@@ -108,10 +110,11 @@ def main(argv=None) -> None:
     for family, tp, n1, b1, n2, b2, on, ob in rows:
         lines.append(f"| {family} | {tp} | {n1}, {mib(b1)} | {n2}, {mib(b2)} | {on}, {mib(ob)} | "
                      f"{b1 / ob:.2f}, {b2 / ob:.2f} |")
-    lines += ["", "Above the optimum: the routing weights' f (b·s·k per MoE layer), and for "
-              "Qwen2-MoE the shared expert's own g (b·s·h per layer: it is a second MLP summed "
-              "into the output; Megatron's MoE layer sums it before one g). With the g and f "
-              "beside the grouped GEMMs, each MoE layer moves k = 2 times the bytes.", ""]
+    lines += ["", "Above the optimum: the routing weights' f (b·s·k per MoE layer) and, for "
+              "Qwen2-MoE, the shared expert's gate's f (b·s): the gradients of replicated "
+              "tensors multiplying a partial sum. With the g and f beside the grouped GEMMs, "
+              "each MoE layer moves k = 2 times the bytes (and Qwen2-MoE's shared expert has "
+              "a g of its own).", ""]
     section = "\n".join(lines)
     print(section)
     if not (args.quick or args.no_write):
