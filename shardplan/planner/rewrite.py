@@ -305,11 +305,16 @@ _VIEWS = {"aten.view.default": "size", "aten._unsafe_view.default": "size"}
 
 
 def _retarget_devices(graph: fx.Graph, device: torch.device) -> None:
-    """Factory ops captured on meta create their tensors on ``device`` instead."""
+    """Ops captured on meta create (factories) or move (``to.device``, a real buffer
+    of a meta-built model) their tensors to ``device`` instead."""
+    if device.type == "meta":
+        return
+
+    def retarget(a):
+        return device if isinstance(a, torch.device) and a.type == "meta" else a
     for node in graph.nodes:
-        d = node.kwargs.get("device")
-        if isinstance(d, torch.device) and d.type == "meta" and device.type != "meta":
-            node.kwargs = {**node.kwargs, "device": device}
+        node.args = tuple(retarget(a) for a in node.args)
+        node.kwargs = {k: retarget(v) for k, v in node.kwargs.items()}
 
 
 def gather_params(gm: fx.GraphModule, layouts: dict, group: Group) -> None:
