@@ -29,6 +29,9 @@ BENCHMARKS = {
                      "eager, DTensor compiled, manual Megatron", ["--quick"]),
     "comm_volume": ("collectives and bytes per training step against the Megatron optimum",
                     ["--quick"]),
+    "moe_comm": ("HF Mixtral and Qwen2-MoE: collectives and bytes per training step at tp 2 "
+                 "and 4 against g and f beside the experts' GEMMs and the Megatron optimum",
+                 ["--quick"]),
     "memory": ("parameter, gradient and AdamW bytes per rank at tp 1-8 against theory",
                ["--quick"]),
     "recompute": ("activation memory per rank and forward+backward time with and without "

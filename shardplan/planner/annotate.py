@@ -40,8 +40,10 @@ from ..errors import ConfigurationError, DivisibilityError, LayoutError
 from ..layouts import Partial, Replicate, Shard
 from .graph import args_of, describe, floating, hint, op_name, operand, operands, shape
 from .kinds import KINDS, Conflict, Context, Outcome, Role
-from .kinds.base import any_sharded, replicated_like
+from .kinds.base import any_sharded, replicated_like, with_dim
 from .kinds.factors import labels
+from .kinds.permute import viewed_parameter
+from .linear_chains import earlier_f, pass_partials
 from .reshape import keeps_last_dim
 from .rules import RuleSet
 from .transitions import Collective, Purpose, Transition, dtype_of, message
@@ -72,6 +74,9 @@ class Annotation:
     # a partial result with no sequence dim of its own (HF Conv1D's flattened batch x
     # sequence) -> the view of it that has one, where it is reduce-scattered instead
     deferred: dict = field(default_factory=dict)
+    # partial nodes read by an op linear in them: their sum is reduced after it (a g moved
+    # on to where the tensor is smallest: an MoE layer's sum over the top-k)
+    passed: set = field(default_factory=set)
 
     def read(self, node: fx.Node, consumer: fx.Node | None = None, path=None):
         """The layout ``consumer`` reads of ``node`` (after its g, scatter or gather)."""
@@ -138,6 +143,8 @@ def annotate(gm: fx.GraphModule, tp: int, rules: RuleSet, *, strict: bool = Fals
                     for n, (why, warn) in disabled.items() if warn]
     if sequence_parallel:
         ann.warnings += _sequence_fallbacks(ann)
+    else:
+        ann.passed = pass_partials(ann.layouts, ann.outcomes, Context(tp, rules))
     ann.transitions = _transitions(ann)
     return ann
 
@@ -194,7 +201,8 @@ class _Pass:
             outcome.conflict.origins = outcome.conflict.origins or origins
             self.conflicts.append(outcome.conflict)
             outcome = Outcome(replicated_like(node), rule="conflict")
-        self._params_needed(node, ins, outcome, origins)
+        if viewed_parameter(node) is None:  # a weight's view: its consumers say how it is held
+            self._params_needed(node, ins, outcome, origins)
         self.outcomes[node] = outcome
         self.layouts[node] = outcome.out
         dims = self.seq_dims.get(node, ())
@@ -205,13 +213,22 @@ class _Pass:
         self.origins[node] = origins if any_sharded(read_as(outcome.out)) else frozenset()
 
     def _params_needed(self, node, ins, outcome: Outcome, origins) -> None:
-        """Record layouts required of parameters/buffers; disagreeing uses conflict."""
+        """Record layouts required of parameters/buffers (read directly or through a
+        permute: ``x @ W.T``); disagreeing uses conflict."""
         if outcome.role in (Role.COLUMN, Role.VOCAB_EMBEDDING):
             origins = origins | {node}
         for path, a in ins:
+            need = outcome.needs.get(path, R)
+            view = viewed_parameter(a)
+            if view is not None:
+                a, perm = view
+                if isinstance(need, Shard) and perm[need.dim] is None:
+                    self.conflicts.append(Conflict(
+                        node, f"{a.target}'s gathered rows are needed split", origins | {node}))
+                    continue
+                need = with_dim(need, perm[need.dim]) if isinstance(need, Shard) else R
             if a.op != "get_attr":
                 continue
-            need = outcome.needs.get(path, R)
             have = self.param_layouts.get(a.target)
             if have is None:
                 self.param_layouts[a.target] = (need, origins)
@@ -298,12 +315,16 @@ class _Pass:
     def _open_column(self, node, name) -> Outcome | None:
         spec = self.openers[name]
         w = node.args[spec.weight] if len(node.args) > spec.weight else None
+        view = viewed_parameter(w) if isinstance(w, fx.Node) else None
+        w = view[0] if view else w
         if not (isinstance(w, fx.Node) and w.op == "get_attr" and w.target in self.params):
             return None
         lab = labels(node, self.rules.einsum[name])
         if lab is None:
             return None
         wdim = lab[(spec.weight,)].index(spec.factor)
+        if view and view[1][wdim] is None:  # the factor is the gathered rows' index
+            return None
         odim = lab["out"].index(spec.factor)
         size = hint(shape(node)[odim])
         blocks = _segments(node, odim, self.ctx)
@@ -374,6 +395,7 @@ def _kept_replicated(gm: fx.GraphModule, rules: RuleSet, keep: dict) -> dict:
     for node in gm.graph.nodes:
         i = weights.get(op_name(node)) if node.op == "call_function" else None
         w = node.args[i] if i is not None and len(node.args) > i else None
+        w = (viewed_parameter(w) or (w,))[0] if isinstance(w, fx.Node) else w
         if isinstance(w, fx.Node) and w.op == "get_attr" and not isinstance(keep.get(w.target), Shard):
             out[node] = ("replicated, as in the model's first capture", False)
     return out
@@ -403,6 +425,9 @@ def _segments(node: fx.Node, dim: int, ctx: Context) -> tuple[int, ...] | None:
             elif kind == "reshape" and ushape and d == rank - 1 and \
                     keeps_last_dim([hint(x) for x in shape(cur)], [hint(x) for x in ushape]):
                 frontier.append((user, len(ushape) - 1))
+            elif kind == "reshape" and ushape and len(ushape) > d and \
+                    [hint(x) for x in shape(cur)[:d + 1]] == [hint(x) for x in ushape[:d + 1]]:
+                frontier.append((user, d))  # dims after d regrouped (bmm's [S, n, 1] squeezed)
             elif kind is not None and user.args and user.args[0] is cur:
                 bounds |= KINDS[kind].cuts(user, d)
     bounds = sorted(b for b in bounds if 0 < b < size)
@@ -533,8 +558,8 @@ def _transitions(ann: Annotation) -> list[Transition]:
         entering = any_sharded(o.out)
         grad_sum = Purpose.SEQ_GRAD if ann.on_tokens(node, o.out) else Purpose.F
         for path, a in operands(node):
-            if path == o.bias or ann.deferred.get(a) is node:  # the partial sum it views
-                continue
+            if path == o.bias or ann.deferred.get(a) is node or a in ann.passed:
+                continue  # a bias, or a partial sum this node views or carries on: no f
             if (node, path) in ann.gathered:
                 lay, purpose = ann.gathered[(node, path)]
                 back = Collective.REDUCE_SCATTER if purpose is Purpose.SEQ_GATHER \
@@ -549,13 +574,16 @@ def _transitions(ann: Annotation) -> list[Transition]:
             need, have = o.needs.get(path, R), ann.read(a)
             if not isinstance(have, Replicate) or _gathered_for_region(ann, a):
                 continue
-            if isinstance(need, Shard) and a.op == "get_attr":  # sliced when bound
+            if isinstance(need, Shard) and (a.op == "get_attr" or viewed_parameter(a)):
+                # sliced when bound
                 if need.replicas > 1 and ann.requires_grad.get(a):
                     shared(Purpose.REPLICA_GRAD, a, (node, path), before=need, after=need,
                            forward=Collective.NONE, backward=Collective.REPLICA_SUM)
                 continue
             if entering and ann.requires_grad.get(a):
-                shared(grad_sum, a, (node, path), before=R, after=R,
+                src, edge = (a, (node, path)) if ann.seq_dims else \
+                    earlier_f(node, path, a, ann.requires_grad, Context(ann.tp, ann.rules))
+                shared(grad_sum, src, edge, before=R, after=R,
                        forward=Collective.NONE, backward=Collective.ALL_REDUCE)
             if isinstance(need, Shard):
                 out.append(Transition(Purpose.SPLIT, a, ((node, path),), R, need,
@@ -581,7 +609,7 @@ def _transitions(ann: Annotation) -> list[Transition]:
             if bias is not None and ann.requires_grad.get(bias):  # added per token after it
                 shared(Purpose.SEQ_GRAD, bias, (owner, path), before=R, after=R,
                        forward=Collective.NONE, backward=Collective.ALL_REDUCE)
-        elif isinstance(o.out, Partial) and node not in ann.deferred:
+        elif isinstance(o.out, Partial) and node not in ann.deferred and node not in ann.passed:
             out.append(Transition(Purpose.G, node, tuple((u, None) for u in node.users),
                                   Partial(), R, Collective.ALL_REDUCE, Collective.NONE,
                                   (message(node),), dtype_of(node)))

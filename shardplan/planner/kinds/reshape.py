@@ -81,7 +81,7 @@ class ReshapeKind(Kind):
 @register
 class ExpandKind(Kind):
     name = "expand"
-    ops = frozenset({"aten.expand.default"})
+    ops = frozenset({"aten.expand.default", "aten.broadcast_to.default"})
 
     def rule(self, node, lays, ctx: Context) -> Outcome:
         lay = lays[(0,)]
