@@ -230,11 +230,11 @@ def _assert_llama_ledger(results, cfg):
     reduce-scattered and the two norms' outputs all-gathered (q, k, v share one; gate
     and up one), plus the embedding's scatter and the final norm's gather; backward
     mirrors them and re-gathers the input of q, k, v (once for the three) and of gate
-    and up (once for the two). HF slices the final
-    hidden states (``logits_to_keep``), an op needing the whole sequence: that gather's
-    backward keeps the rank's slice, and the LM head enters its region through f (an
-    all-reduce backward). The norms' weights have their gradients summed: a block's
-    two in one flat all-reduce, the final one alone."""
+    and up (once for the two). HF slices the final hidden states (``logits_to_keep=0``
+    keeps every position, a slice that runs on the shard), so the LM head opens on the
+    final norm's gather like any column linear: a reduce-scatter backward and a
+    re-gather. The norms' weights have their gradients summed: a block's two in one flat
+    all-reduce, the final one alone."""
     L, h = cfg.num_hidden_layers, cfg.hidden_size
     full = B * T * h
     for records in (r[4] for r in results):
@@ -242,9 +242,9 @@ def _assert_llama_ledger(results, cfg):
         bwd = [(r.kind, r.elements) for r in records if r.direction == "backward"]
         assert fwd.count(("reduce_scatter", full)) == 2 * L + 1
         assert fwd.count(("all_gather", full)) == 2 * L + 1
-        assert bwd.count(("reduce_scatter", full)) == 2 * L
-        assert bwd.count(("all_gather", full)) == (2 * L + 1) + 2 * L
-        assert sorted(n for k, n in bwd if k == "all_reduce") == sorted([2 * h] * L + [h, full])
+        assert bwd.count(("reduce_scatter", full)) == 2 * L + 1
+        assert bwd.count(("all_gather", full)) == (2 * L + 1) + (2 * L + 1)
+        assert sorted(n for k, n in bwd if k == "all_reduce") == sorted([2 * h] * L + [h])
         assert not [k for k, n in fwd if k == "all_reduce" and n == full]
 
 
