@@ -57,7 +57,7 @@ class AttnCfg:
 @dataclass(frozen=True)
 class MlpCfg:
     hidden: int
-    act: str = "gelu"  # gelu | relu | silu | gelu_tanh | swiglu | swiglu_fused
+    act: str = "gelu"  # gelu | relu | silu | gelu_tanh | swiglu | swiglu_fused | moe (Experts)
     bias: bool = True
 
 
@@ -437,6 +437,32 @@ class Mlp(nn.Module):
         return self.down(self.sites.at("ffn", h))
 
 
+class Experts(nn.Module):
+    """Mixture of experts, HF's weight layout: ``w_up`` (experts, 2 hidden, dim) is each
+    expert's fused gate | up, ``w_down`` (experts, dim, hidden) its down projection, both
+    read transposed; a router's top-2 weights (zero for the other experts) combine the
+    experts' outputs. Every expert runs on every token (no bias: ``MlpCfg.bias`` unused)."""
+
+    EXPERTS = 4
+
+    def __init__(self, dim: int, c: MlpCfg):
+        super().__init__()
+        e, h = self.EXPERTS, c.hidden
+        self.router = nn.Parameter(torch.randn(e, dim) / math.sqrt(dim))
+        self.w_up = nn.Parameter(torch.randn(e, 2 * h, dim) / math.sqrt(dim))
+        self.w_down = nn.Parameter(torch.randn(e, dim, h) / math.sqrt(h))
+
+    def forward(self, x):
+        B, T, D = x.shape
+        probs = F.linear(x, self.router).softmax(-1)  # [B, T, E]
+        top, idx = probs.topk(2, dim=-1)
+        weights = torch.zeros_like(probs).scatter(-1, idx, top)
+        gate, up = (x.reshape(1, -1, D) @ self.w_up.transpose(1, 2)).chunk(2, dim=-1)
+        y = (F.silu(gate) * up) @ self.w_down.transpose(1, 2)  # [E, B*T, D]
+        y = y * weights.reshape(-1, self.EXPERTS).t().unsqueeze(-1)
+        return y.sum(0).view(B, T, D)
+
+
 def _guard(x):
     return x * 1.0
 
@@ -455,7 +481,8 @@ class Block(nn.Module):
                          merged=a.heads * a.head_dim if a.qkv != "torch_mha" else dim)
         self.sites = Sites(c.twists, sizes, a.heads if a else 1, a.head_dim if a else 0)
         self.attn = Attention(dim, a, self.sites) if a else None
-        self.mlp = Mlp(dim, c.mlp, self.sites) if c.mlp else None
+        self.mlp = (Experts(dim, c.mlp) if c.mlp.act == "moe" else Mlp(dim, c.mlp, self.sites)) \
+            if c.mlp else None
         self.norm1, self.norm2 = make_norm(c.norm, dim), make_norm(c.norm, dim)
 
     def _sub(self, f, norm, x, *extra):
@@ -578,6 +605,8 @@ def megatron_block_count(c: ModelCfg, tp: int, head_sharded: bool) -> dict:
             fwd[("all_reduce", btd)] += 1
             if region_input_grad:
                 bwd[("all_reduce", btd)] += 1
+            if kind == "mlp" and cfg.act == "moe":  # the routing weights' gradient
+                bwd[("all_reduce", Experts.EXPERTS * c.batch * c.seq)] += 1
             if kind == "attn" and kv_groups(cfg, tp):
                 weight = cfg.kv_heads * cfg.head_dim * c.dim
                 bwd[("all_reduce", weight)] += 2

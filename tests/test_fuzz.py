@@ -97,14 +97,14 @@ def mlp_cfgs(draw, tp: int, divisible: bool):
                    lambda h: (h % tp == 0) or not divisible)
     return MlpCfg(hidden=hidden,
                   act=draw(st.sampled_from(["swiglu", "gelu", "swiglu_fused", "relu", "silu",
-                                            "gelu_tanh"])),
+                                            "gelu_tanh", "moe"])),
                   bias=draw(st.booleans()))
 
 
 def _sites(dim: int, a: AttnCfg | None, m: MlpCfg | None) -> dict[str, int | None]:
     """The twist sites a block has, with the size of their last dim (None: symbolic)."""
     sites: dict[str, int | None] = {"stream": dim}
-    if m is not None:
+    if m is not None and m.act != "moe":
         sites["ffn"] = m.hidden
     if a is not None and a.qkv == "torch_mha":
         sites["merged"] = dim
@@ -236,6 +236,10 @@ def counted_case(cfg: ModelCfg, tp: int, model, inputs):
             lay = layouts[f"{mod_name}.weight"]
             assert isinstance(lay, shardplan.Shard) and lay.dim % 2 == want_dim, \
                 f"{mod_name}.weight should be split on dim {want_dim} at tp={tp}, is {lay}"
+    for name in layouts:  # experts: each expert's gate | up column, down row parallel
+        if name.startswith("blocks.") and name.endswith((".w_up", ".w_down")):
+            want = "S(1|" if name.endswith("w_up") else "S(2)"
+            assert str(layouts[name]).startswith(want), f"{name} is {layouts[name]} at tp={tp}"
     head_sharded = isinstance(layouts["head.weight"], shardplan.Shard)
     want = megatron_block_count(cfg, tp, head_sharded)
     for rank, r in enumerate(results):
@@ -438,6 +442,18 @@ EINSUM = ModelCfg(dim=16, vocab=32, blocks=(BlockCfg(
 def test_einsum_attention_is_sharded():
     plan = shardplan.plan(build_model(EINSUM), 2, example_inputs=example_inputs(EINSUM))
     assert_megatron_plan(build_model(EINSUM), plan, prefix="blocks.")
+
+
+MOE = ModelCfg(dim=16, loss=True, blocks=(BlockCfg(
+    attn=AttnCfg(heads=4, kv_heads=4, head_dim=4), mlp=MlpCfg(hidden=16, act="moe")),))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_moe_experts_are_counted(tp):
+    """The fuzzer's experts, fixed (the drawn sample may not hold one): equal on every
+    rank, each expert split Megatron's way, and Megatron's collectives plus the routing
+    weights' f (counted_case)."""
+    assert run_case(MOE, tp) == "sharded"
 
 
 # --------------------------------------------------------------------------- train-mode dropout

@@ -6,6 +6,7 @@ Also the vocab-parallel lookup of the graph path honouring ``padding_idx``.
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -35,8 +36,7 @@ def _rule_file(tmp_path, extra_ops: str):
 
 def test_an_op_its_kind_cannot_read_is_rejected_naming_the_kinds_that_can(tmp_path):
     path = _rule_file(tmp_path, 'permute = ["aten.transpose.int", "aten.movedim.int"]')
-    text = path.read_text().replace(
-        'permute = ["aten.transpose.int", "aten.permute.default", "aten.t.default"]\n', "")
+    text = re.sub(r'^permute = \[.*"aten\.t\.default".*\n', "", path.read_text(), flags=re.M)
     path.write_text(text)
     with pytest.raises(RuleError) as e:
         load_rules(path)

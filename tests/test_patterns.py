@@ -100,3 +100,27 @@ def test_einsum_attention_is_sharded(tp):
     torch.manual_seed(0)
     assert_sharded_and_equal(EinsumAttention(), tp, (torch.randn(2, 5, 16),), {
         "wq.weight": "S(0)", "wk.weight": "S(0)", "wv.weight": "S(0)", "out": "S(0)"})
+
+
+class ParallelBranches(nn.Module):
+    """GPT-J / PaLM's parallel block without biases: ``mlp(x) + proj(x) + x``."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.up, self.down = nn.Linear(dim, 4 * dim, bias=False), nn.Linear(4 * dim, dim, bias=False)
+        self.fc, self.proj = nn.Linear(dim, dim, bias=False), nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x))) + self.proj(torch.tanh(self.fc(x))) + x
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_parallel_branches_share_one_g(tp):
+    """Two row-parallel results added together are one partial sum: one g of b*s*h after
+    the sum, not one per branch (strategy.partial_sums)."""
+    torch.manual_seed(0)
+    example = (torch.randn(2, 5, 16),)
+    assert_sharded_and_equal(ParallelBranches(), tp, example, {
+        "up.weight": "S(0)", "down.weight": "S(1)", "fc.weight": "S(0)", "proj.weight": "S(1)"})
+    plan = shardplan.plan(ParallelBranches(), tp, example_inputs=example)
+    assert [c.elements for c in plan.collectives if c.purpose == "g"] == [2 * 5 * 16]

@@ -35,13 +35,16 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.fx as fx
 
+from .blocks import split_first
 from .capture import GUARDS, module_of, source_of
 from ..errors import ConfigurationError, DivisibilityError, LayoutError, ShardplanError
 from ..layouts import Partial, Replicate, Shard
 from .graph import args_of, describe, floating, hint, op_name, operand, operands, shape
 from .kinds import KINDS, Conflict, Context, Outcome, Role
-from .kinds.base import any_sharded, replicated_like
+from .kinds.base import any_sharded, replicated_like, with_dim
 from .kinds.factors import labels
+from .kinds.permute import viewed_parameter
+from .linear_chains import earlier_f, pass_partials
 from .reshape import keeps_last_dim
 from .decompose import decomposable, decompose
 from .choices import DISTRIBUTED, REPLICATED, Choice, cost_of
@@ -73,6 +76,12 @@ class Annotation:
     seq_dims: dict = field(default_factory=dict)
     stopped: dict = field(default_factory=dict)  # op a region stopped at -> its openers
     choices: list = field(default_factory=list)  # [choices.Choice], one per weighed region
+    # a partial result with no sequence dim of its own (HF Conv1D's flattened batch x
+    # sequence) -> the view of it that has one, where it is reduce-scattered instead
+    deferred: dict = field(default_factory=dict)
+    # partial nodes read by an op linear in them: their sum is reduced after it (a g moved
+    # on to where the tensor is smallest: an MoE layer's sum over the top-k)
+    passed: set = field(default_factory=set)
 
     def read(self, node: fx.Node, consumer: fx.Node | None = None, path=None):
         """The layout ``consumer`` reads of ``node`` (after its g, scatter or gather)."""
@@ -208,6 +217,8 @@ def _settle(gm, tp, rules, strict, sequence_parallel, keep, whole) -> Annotation
                     for n, (why, warn) in disabled.items() if warn]
     if sequence_parallel:
         ann.warnings += _sequence_fallbacks(ann)
+    else:
+        ann.passed = pass_partials(ann.layouts, ann.outcomes, Context(tp, rules))
     ann.transitions = _transitions(ann)
     return ann
 
@@ -226,6 +237,7 @@ class _Pass:
         self.seq_dims = seq_dims  # empty unless sequence parallel
         self.scattered: dict = {}
         self.gathered: dict = {}
+        self.deferred: dict = {}
         self.layouts: dict = {}
         self.origins: dict = {}  # node -> frozenset of opener nodes its layout derives from
         self.outcomes: dict = {}
@@ -239,7 +251,7 @@ class _Pass:
         ann = Annotation(self.gm, self.tp, self.layouts, self.outcomes,
                          {t: lay for t, (lay, _) in self.param_layouts.items()},
                          self.grad, {}, [], self.rules, [],
-                         self.scattered, self.gathered, self.seq_dims)
+                         self.scattered, self.gathered, self.seq_dims, self.deferred)
         return ann, self.conflicts
 
     # ----------------------------------------------------------------- per node
@@ -259,12 +271,13 @@ class _Pass:
             and op_name(node) != "aten.detach.default"
         origins = frozenset().union(*[self.origins.get(a, frozenset()) for _, a in ins]) \
             if ins else frozenset()
-        outcome = self._rule(node, ins)
+        outcome = self._unflattened(node, ins) or self._rule(node, ins)
         if outcome.conflict:
             outcome.conflict.origins = outcome.conflict.origins or origins
             self.conflicts.append(outcome.conflict)
             outcome = Outcome(replicated_like(node), rule="conflict")
-        self._params_needed(node, ins, outcome, origins)
+        if viewed_parameter(node) is None:  # a weight's view: its consumers say how it is held
+            self._params_needed(node, ins, outcome, origins)
         self.outcomes[node] = outcome
         self.layouts[node] = outcome.out
         dims = self.seq_dims.get(node, ())
@@ -275,13 +288,22 @@ class _Pass:
         self.origins[node] = origins if any_sharded(read_as(outcome.out)) else frozenset()
 
     def _params_needed(self, node, ins, outcome: Outcome, origins) -> None:
-        """Record layouts required of parameters/buffers; disagreeing uses conflict."""
+        """Record layouts required of parameters/buffers (read directly or through a
+        permute: ``x @ W.T``); disagreeing uses conflict."""
         if outcome.role in (Role.COLUMN, Role.VOCAB_EMBEDDING):
             origins = origins | {node}
         for path, a in ins:
+            need = outcome.needs.get(path, R)
+            view = viewed_parameter(a)
+            if view is not None:
+                a, perm = view
+                if isinstance(need, Shard) and perm[need.dim] is None:
+                    self.conflicts.append(Conflict(
+                        node, f"{a.target}'s gathered rows are needed split", origins | {node}))
+                    continue
+                need = with_dim(need, perm[need.dim]) if isinstance(need, Shard) else R
             if a.op != "get_attr":
                 continue
-            need = outcome.needs.get(path, R)
             have = self.param_layouts.get(a.target)
             if have is None:
                 self.param_layouts[a.target] = (need, origins)
@@ -293,6 +315,33 @@ class _Pass:
     def _read(self, a: fx.Node):
         return self.scattered.get(a) or read_as(self.layouts.get(a, R))
 
+    def _unflattened(self, node: fx.Node, ins) -> Outcome | None:
+        """A view giving the sequence back its own dim, of a partial result that had none
+        (HF Conv1D: ``view(addmm(b, x.view(-1, h), W), [B, T, h])``): the view stays
+        partial (it is linear), so the sum is reduce-scattered after it, onto the tokens."""
+        if not self.seq_dims or len(self.seq_dims.get(node, ())) != 1 or not ins \
+                or self.rules.kind(op_name(node)) != "reshape":
+            return None
+        a = node.args[0]
+        if not isinstance(self.layouts.get(a), Partial) or a in self.seq_dims \
+                or len(a.users) != 1:
+            return None
+        self.deferred[a] = node
+        return Outcome(Partial(), rule="view of a partial sum, reduce-scattered after it")
+
+    def _feeds_openers(self, node: fx.Node) -> bool:
+        """Is ``node`` a reshape read only as the input of region openers (HF Conv1D's
+        ``x.view(-1, h)`` before its ``addmm``)? Gathered before it, the ranks' tokens then
+        enter the region as they do a linear."""
+        if self.rules.kind(op_name(node)) != "reshape" or not node.users:
+            return False
+        for user in node.users:
+            spec = self.openers.get(op_name(user)) if user.op == "call_function" else None
+            if spec is None or user in self.disabled or \
+                    (len(user.args) > spec.weight and user.args[spec.weight] is node):
+                return False
+        return True
+
     def _rule(self, node: fx.Node, ins) -> Outcome:
         """The rule's outcome; in sequence parallel, operands held on tokens are gathered
         where a region opens on them or where the op cannot run on tokens alone."""
@@ -302,7 +351,8 @@ class _Pass:
         if not tokens:
             return self._rule_on(node, lays)
         whole = {p: R if p in tokens else lay for p, lay in lays.items()}
-        opens = op_name(node) in self.openers and node not in self.disabled
+        opens = (op_name(node) in self.openers and node not in self.disabled) \
+            or self._feeds_openers(node)
         outcome = None if opens else self._rule_on(node, lays)
         if outcome is None or outcome.conflict:
             outcome = self._rule_on(node, whole)
@@ -340,12 +390,16 @@ class _Pass:
     def _open_column(self, node, name) -> Outcome | None:
         spec = self.openers[name]
         w = node.args[spec.weight] if len(node.args) > spec.weight else None
+        view = viewed_parameter(w) if isinstance(w, fx.Node) else None
+        w = view[0] if view else w
         if not (isinstance(w, fx.Node) and w.op == "get_attr" and w.target in self.params):
             return None
         lab = labels(node, self.rules.einsum[name])
         if lab is None:
             return None
         wdim = lab[(spec.weight,)].index(spec.factor)
+        if view and view[1][wdim] is None:  # the factor is the gathered rows' index
+            return None
         odim = lab["out"].index(spec.factor)
         size = hint(shape(node)[odim])
         blocks = _segments(node, odim, self.ctx)
@@ -416,6 +470,7 @@ def _kept_replicated(gm: fx.GraphModule, rules: RuleSet, keep: dict) -> dict:
     for node in gm.graph.nodes:
         i = weights.get(op_name(node)) if node.op == "call_function" else None
         w = node.args[i] if i is not None and len(node.args) > i else None
+        w = (viewed_parameter(w) or (w,))[0] if isinstance(w, fx.Node) else w
         if isinstance(w, fx.Node) and w.op == "get_attr" and not isinstance(keep.get(w.target), Shard):
             out[node] = ("replicated, as in the model's first capture", False)
     return out
@@ -445,6 +500,9 @@ def _segments(node: fx.Node, dim: int, ctx: Context) -> tuple[int, ...] | None:
             elif kind == "reshape" and ushape and d == rank - 1 and \
                     keeps_last_dim([hint(x) for x in shape(cur)], [hint(x) for x in ushape]):
                 frontier.append((user, len(ushape) - 1))
+            elif kind == "reshape" and ushape and len(ushape) > d and \
+                    [hint(x) for x in shape(cur)[:d + 1]] == [hint(x) for x in ushape[:d + 1]]:
+                frontier.append((user, d))  # dims after d regrouped (bmm's [S, n, 1] squeezed)
             elif kind is not None and user.args and user.args[0] is cur:
                 bounds |= KINDS[kind].cuts(user, d)
     bounds = sorted(b for b in bounds if 0 < b < size)
@@ -539,7 +597,7 @@ def _sequence_fallbacks(ann: Annotation) -> list[str]:
             "tokens are not contiguous in a flattened batch x sequence dim)"
             for n, o in ann.outcomes.items()
             if o.role in (Role.ROW, Role.PARTIAL) and isinstance(o.out, Partial)
-            and n not in ann.seq_dims]
+            and n not in ann.seq_dims and n not in ann.deferred]
 
 
 def _keeps_shard(node: fx.Node, path) -> bool:
@@ -561,8 +619,8 @@ def _transitions(ann: Annotation) -> list[Transition]:
     made: dict = {}  # (src, purpose) -> index in out, for transitions shared by consumers
     vocab_loss = ann.rules.strategy.vocab_loss
 
-    def shared(purpose, src, edge, **fields):
-        key = (src, purpose)
+    def shared(purpose, src, edge, key=(), **fields):
+        key = (src, purpose, *key)
         if key in made:
             t = out[made[key]]
             out[made[key]] = _with_consumer(t, edge)
@@ -575,8 +633,8 @@ def _transitions(ann: Annotation) -> list[Transition]:
         entering = any_sharded(o.out)
         grad_sum = Purpose.SEQ_GRAD if ann.on_tokens(node, o.out) else Purpose.F
         for path, a in operands(node):
-            if path == o.bias:
-                continue
+            if path == o.bias or ann.deferred.get(a) is node or a in ann.passed:
+                continue  # a bias, or a partial sum this node views or carries on: no f
             if (node, path) in ann.gathered:
                 lay, purpose = ann.gathered[(node, path)]
                 back = Collective.REDUCE_SCATTER if purpose is Purpose.SEQ_GATHER \
@@ -584,20 +642,23 @@ def _transitions(ann: Annotation) -> list[Transition]:
                 shared(purpose, a, (node, path), before=lay, after=R,
                        forward=Collective.ALL_GATHER, backward=back)
                 if purpose is Purpose.SEQ_GATHER and _keeps_shard(node, path):
-                    out.append(Transition(Purpose.SEQ_REGATHER, a, ((node, path),), lay, R,
-                                          Collective.NONE, Collective.ALL_GATHER,
-                                          (message(a),), dtype_of(a)))
+                    shared(Purpose.SEQ_REGATHER, a, (node, path), key=_block(module_of(node)),
+                           before=lay, after=R, forward=Collective.NONE,
+                           backward=Collective.ALL_GATHER)
                 continue
             need, have = o.needs.get(path, R), ann.read(a)
-            if not isinstance(have, Replicate):
+            if not isinstance(have, Replicate) or _gathered_for_region(ann, a):
                 continue
-            if isinstance(need, Shard) and a.op == "get_attr":  # sliced when bound
+            if isinstance(need, Shard) and (a.op == "get_attr" or viewed_parameter(a)):
+                # sliced when bound
                 if need.replicas > 1 and ann.requires_grad.get(a):
                     shared(Purpose.REPLICA_GRAD, a, (node, path), before=need, after=need,
                            forward=Collective.NONE, backward=Collective.REPLICA_SUM)
                 continue
             if entering and ann.requires_grad.get(a):
-                shared(grad_sum, a, (node, path), before=R, after=R,
+                src, edge = (a, (node, path)) if ann.seq_dims else \
+                    earlier_f(node, path, a, ann.requires_grad, Context(ann.tp, ann.rules))
+                shared(grad_sum, src, edge, before=R, after=R,
                        forward=Collective.NONE, backward=Collective.ALL_REDUCE)
             if isinstance(need, Shard):
                 out.append(Transition(Purpose.SPLIT, a, ((node, path),), R, need,
@@ -617,11 +678,13 @@ def _transitions(ann: Annotation) -> list[Transition]:
             out.append(Transition(Purpose.SEQ_SCATTER, node, tuple((u, None) for u in node.users),
                                   Partial(), ann.scattered[node], Collective.REDUCE_SCATTER,
                                   Collective.ALL_GATHER, (message(node),), dtype_of(node)))
-            bias = operand(node, o.bias) if o.bias is not None else None
+            owner = next((p for p, v in ann.deferred.items() if v is node), node)
+            path = ann.outcomes[owner].bias
+            bias = operand(owner, path) if path is not None else None
             if bias is not None and ann.requires_grad.get(bias):  # added per token after it
-                shared(Purpose.SEQ_GRAD, bias, (node, o.bias), before=R, after=R,
+                shared(Purpose.SEQ_GRAD, bias, (owner, path), before=R, after=R,
                        forward=Collective.NONE, backward=Collective.ALL_REDUCE)
-        elif isinstance(o.out, Partial):
+        elif isinstance(o.out, Partial) and node not in ann.deferred and node not in ann.passed:
             stat = o.role is Role.DISTRIBUTED
             maximum = stat and ann.rules.reduce[op_name(node)].distributed == "max"
             out.append(Transition(Purpose.STAT if stat else Purpose.G, node,
@@ -629,6 +692,7 @@ def _transitions(ann: Annotation) -> list[Transition]:
                                   Collective.ALL_REDUCE_MAX if maximum else Collective.ALL_REDUCE,
                                   Collective.NONE,
                                   (message(node),), dtype_of(node)))
+    out = _bucket_grad_sums(out)
     output = next(n for n in ann.gm.graph.nodes if n.op == "output")
     for a in output.all_input_nodes:
         lay = ann.read(a)
@@ -637,6 +701,44 @@ def _transitions(ann: Annotation) -> list[Transition]:
                                   Collective.ALL_GATHER, Collective.LOCAL_SLICE,
                                   (message(a),), dtype_of(a)))
     return out
+
+
+def _gathered_for_region(ann: Annotation, node: fx.Node) -> bool:
+    """Was ``node`` made from the ranks' tokens gathered to enter a region (a reshape
+    feeding openers)? Its gather's backward reduce-scatter sums the gradient: no f."""
+    return any(ann.gathered.get((node, p), (None, None))[1] is Purpose.SEQ_GATHER
+               for p, _ in operands(node))
+
+
+def _bucket_grad_sums(ts: list[Transition]) -> list[Transition]:
+    """The ``SEQ_GRAD``s of parameters of one block (and dtype), read only inside it, as
+    one ``SEQ_GRAD_BUCKET`` where the first of them was: one all-reduce instead of one
+    per norm weight, norm bias and row bias. A block's bucket stays in the block, so
+    recomputation and FSDP see it there."""
+    groups: dict = {}
+    for i, t in enumerate(ts):
+        if t.purpose is Purpose.SEQ_GRAD and t.src.op == "get_attr":
+            block = _block(t.src.target)
+            if all(_block(module_of(c)) == block for c, _ in t.consumers):
+                groups.setdefault((block, t.dtype), []).append(i)
+    first, dropped = {}, set()
+    for idx in groups.values():
+        if len(idx) < 2:
+            continue
+        members = [ts[i] for i in idx]
+        first[idx[0]] = Transition(
+            Purpose.SEQ_GRAD_BUCKET, members[0].src, sum((m.consumers for m in members), ()),
+            R, R, Collective.NONE, Collective.ALL_REDUCE,
+            messages=((sum(m.elements[0] for m in members),),), dtype=members[0].dtype,
+            sources=tuple(m.src for m in members))
+        dropped.update(idx[1:])
+    return [first.get(i, t) for i, t in enumerate(ts) if i not in dropped]
+
+
+def _block(name: str) -> tuple:
+    """(list path, index) of the outermost block ``name`` lies in; () outside blocks."""
+    found = split_first(name or "")
+    return found[:2] if found else ()
 
 
 def _with_consumer(t: Transition, edge) -> Transition:

@@ -66,6 +66,10 @@ class Strategy(_Strict):
     vocab_loss: VocabLoss | None = None
     pad_vocabulary: bool = True
     random: dict[str, int] = {}  # op -> position of its probability argument
+    # op -> the operand positions it is linear in: a partial sum read there stays partial
+    partial_through: dict[str, list[int]] = {}
+    # sums: partial when every operand is (their g's become one)
+    partial_sums: list[str] = []
 
 
 class Einsum(_Strict):
@@ -184,7 +188,8 @@ def _check(rules: RuleSet, where: str) -> None:
     """What the schema cannot see: version, op names, one kind per op, openers."""
     _check_version(rules.version, where)
     strategy = rules.strategy
-    named = [o.op for o in strategy.open] + list(strategy.random)
+    named = [o.op for o in strategy.open] + list(strategy.random) + list(strategy.partial_through) \
+        + strategy.partial_sums
     named += [s.op for s in (strategy.vocab_embedding, strategy.vocab_loss) if s is not None]
     tabled = {"einsum", "reduce"}  # kinds whose ops carry parameters, in their own tables
     for kind in rules.ops:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ..graph import hint, op_name, operand, operands, shape
 from ...layouts import Partial, Shard
+from .permute import viewed_parameter
 from .base import R, Context, Kind, Outcome, Role, conflict, register, returns_one_tensor
 
 
@@ -101,7 +102,7 @@ def factor_rule(node, lays, labels, tp, *, partial_ok, shardable, rule) -> Outco
                 return conflict(node, "sharded operand outside the op's signature")
             f = labels[p][lay.dim]
             key = (lay.blocks, lay.padded, lay.replicas)
-            if lay.replicas > 1 and not rule.startswith("elementwise"):
+            if lay.replicas > 1 and not rule.startswith("elementwise") and f not in labels["out"]:
                 return conflict(node, f"{op_name(node)} on a dim held by groups of ranks")
             if sharded.setdefault(f, key) != key:
                 return conflict(node, "operands sharded with different blocks")
@@ -127,8 +128,9 @@ def factor_rule(node, lays, labels, tp, *, partial_ok, shardable, rule) -> Outco
         return Outcome(Shard(labels["out"].index(f), blocks, padded, replicas), needs, rule=rule)
     if not partial_ok or padded:
         return conflict(node, f"{op_name(node)} contracts the sharded factor {f!r}")
-    for p, lab in labels.items():
-        if p != "out" and f not in lab:
+    for p, lab in labels.items():  # a bias: added to the output (not grouped_mm's offsets)
+        if p != "out" and f not in lab and set(lab) <= set(labels["out"]):
             bias = p
-    is_row = any(operand(node, p).op == "get_attr" for p, n in needs.items() if isinstance(n, Shard))
+    is_row = any(operand(node, p).op == "get_attr" or viewed_parameter(operand(node, p))
+                 for p, n in needs.items() if isinstance(n, Shard))
     return Outcome(Partial(), needs, role=Role.ROW if is_row else Role.PARTIAL, rule=rule, bias=bias)

@@ -72,10 +72,10 @@ class SliceKind(Kind):
         start, stop = _range(node, full)
         if start is None:
             return conflict(node, "strided slice on the sharded dim")
-        bounds = list(cumsum(lay.blocks or [full]))
+        bounds = [0, *cumsum(lay.blocks or [full])]
         if start not in bounds or stop not in bounds or lay.padded or lay.replicas > 1:
             return conflict(node, f"slice [{start}:{stop}] cuts a block of the sharded dim")
-        inner = [b for b, s in zip(lay.blocks or [full], bounds) if start <= s - b and s <= stop]
+        inner = [b for b, s in zip(lay.blocks or [full], bounds[1:]) if start <= s - b and s <= stop]
         return Outcome(Shard(dim, tuple(inner) if len(inner) > 1 else None),
                        rule="slice (sharded dim, whole blocks)")
 

@@ -1,0 +1,115 @@
+"""Hugging Face Mixtral, Qwen2-MoE, Falcon and Phi-3 (tiny, random weights) at tp 2 and 4 on
+simulated ranks: every rank's logits, loss and every gradient copy equal the unsharded
+model's, and the experts, MLPs and fused projections are really split (layouts, and the
+parameter elements each rank holds)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+pytest.importorskip("transformers", reason="the [hf] extra is not installed")
+
+from shardplan.layouts import Shard  # noqa: E402
+from shardplan.ranks import SimulatedRanks  # noqa: E402
+
+from checks import assert_equivalent  # noqa: E402
+from hf_cases import inputs, reference, step  # noqa: E402
+from hf_family_cases import build, captured, real_steps  # noqa: E402
+
+
+def kv(tp: int) -> str:
+    """2 K/V heads: split at tp 2, each held by 2 ranks at tp 4."""
+    return "S(0)" if tp == 2 else "S(0|x2)"
+
+
+def expected(family: str, tp: int) -> dict:
+    """The layouts Megatron gives the layer's weights (R: held whole, by design)."""
+    a = "model.layers.0.self_attn."
+    attention = {a + "q_proj.weight": "S(0)", a + "k_proj.weight": kv(tp),
+                 a + "v_proj.weight": kv(tp), a + "o_proj.weight": "S(1)"}
+    experts = {"model.layers.0.mlp.experts.gate_up_proj": "S(1|32+32)",  # (E, 2I, H): gate | up
+               "model.layers.0.mlp.experts.down_proj": "S(2)",  # (E, H, I)
+               "model.layers.0.mlp.gate.weight": "R"}  # the router
+    m = "model.layers.0.mlp.shared_expert"
+    return {
+        "mixtral": {**attention, **experts},
+        "mixtral_batched_mm": {**attention, **experts},
+        "qwen2_moe": {**attention, **experts, m + ".gate_proj.weight": "S(0)",
+                      m + ".up_proj.weight": "S(0)", m + ".down_proj.weight": "S(1)",
+                      m + "_gate.weight": "R"},  # 1 wide: does not split
+        "falcon_mqa": {"transformer.h.0.mlp.dense_h_to_4h.weight": "S(0)",
+                       "transformer.h.0.mlp.dense_4h_to_h.weight": "S(1)",
+                       "transformer.h.0.self_attention.query_key_value.weight": "R"},
+        "falcon_gqa": {"transformer.h.0.mlp.dense_h_to_4h.weight": "S(0)",
+                       "transformer.h.0.mlp.dense_4h_to_h.weight": "S(1)",
+                       "transformer.h.0.self_attention.query_key_value.weight": "S(0)",
+                       "transformer.h.0.self_attention.dense.weight": "S(1)"},
+        "phi3": {a + "qkv_proj.weight": "S(0|32+32+32)", a + "o_proj.weight": "S(1)",
+                 "model.layers.0.mlp.gate_up_proj.weight": "S(0|32+32)",
+                 "model.layers.0.mlp.down_proj.weight": "S(1)"},
+    }[family]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "falcon_mqa", "falcon_gqa", "phi3",
+                                    "mixtral_batched_mm"])
+def test_family_is_sharded_and_equal(family, tp):
+    model, kw = build(family), inputs()
+    results = SimulatedRanks(tp).run(step, model, kw, True, captured(family))
+    assert_equivalent(results, reference(model, kw))
+    want = expected(family, tp)
+    full = dict(model.named_parameters())
+    for rank, r in enumerate(results):
+        layouts, grads = r[3], r[2]
+        assert {n: str(layouts[n]) for n in want} == want, f"rank {rank}"
+        for name, lay in layouts.items():  # each rank holds its 1/tp (x replicas) and no more
+            if isinstance(lay, Shard) and not lay.padded and name in full:
+                assert grads[name].numel() * tp == full[name].numel() * lay.replicas, name
+    plan = results[0][5]
+    # what stays whole is the plan's decision, with its reason: never a silent replica
+    assert all(d.rule for d in plan.decisions if d.role == "replicated"), plan.decisions
+    if family != "falcon_mqa":
+        assert not plan.warnings, plan.warnings
+    if family.startswith(("mixtral", "qwen2_moe")):
+        assert_params_per_rank(model, plan, tp)
+        # Megatron's one g per MoE layer (b*s*h), after the experts' combine and the
+        # shared expert's sum: not one per top-k copy, nor one per expert kind
+        g = [c for c in plan.collectives if c.purpose == "g" and ".mlp" in c.module]
+        assert [c.elements for c in g] == [plan.tokens * model.config.hidden_size], g
+        # and its f before the tokens are copied k times: no f is larger than b*s*h
+        f = [c.elements for c in plan.collectives if c.purpose == "f"]
+        assert max(f) == plan.tokens * model.config.hidden_size, f
+
+
+@pytest.mark.real
+@pytest.mark.timeout(400)
+def test_tp2_real_gloo(real_ranks):
+    """The experts' grouped GEMMs and Falcon's ``x @ W.T`` on two gloo processes, one
+    launch for both models."""
+    families = ("qwen2_moe", "falcon_gqa")
+    results = real_ranks(2).run(real_steps, families)
+    for i, family in enumerate(families):
+        per_rank = [r[i] for r in results]
+        assert_equivalent(per_rank, reference(build(family), inputs()))
+        want = expected(family, 2)
+        for rank, r in enumerate(per_rank):
+            assert {n: str(r[3][n]) for n in want} == want, f"{family}, rank {rank}"
+
+
+def assert_params_per_rank(model, plan, tp: int) -> None:
+    """Parameters per rank: 1/tp of everything but the norms, the router, the 1-wide
+    shared-expert gate, the K/V heads (2 heads: each on tp/2 ranks) and the vocabulary's
+    padding, within 3% of that."""
+    whole = ("norm", "mlp.gate.weight", "shared_expert_gate")
+    want = 0.0
+    for name, p in model.named_parameters():
+        n = p.numel()
+        want += n if any(w in name for w in whole) else \
+            n * max(1, tp // 2) / tp if name.endswith(("k_proj.weight", "v_proj.weight")) \
+            else n / tp
+    got = plan.memory.param_bytes_per_rank / next(model.parameters()).element_size()
+    assert math.isclose(got, want, rel_tol=0.03), (got, want)
+
