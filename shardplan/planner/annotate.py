@@ -74,14 +74,14 @@ class Annotation:
     scattered: dict = field(default_factory=dict)
     gathered: dict = field(default_factory=dict)
     seq_dims: dict = field(default_factory=dict)
-    stopped: dict = field(default_factory=dict)  # op a region stopped at -> its openers
-    choices: list = field(default_factory=list)  # [choices.Choice], one per weighed region
     # a partial result with no sequence dim of its own (HF Conv1D's flattened batch x
     # sequence) -> the view of it that has one, where it is reduce-scattered instead
     deferred: dict = field(default_factory=dict)
     # partial nodes read by an op linear in them: their sum is reduced after it (a g moved
     # on to where the tensor is smallest: an MoE layer's sum over the top-k)
     passed: set = field(default_factory=set)
+    stopped: dict = field(default_factory=dict)  # op a region stopped at -> its openers
+    choices: list = field(default_factory=list)  # [choices.Choice], one per weighed region
 
     def read(self, node: fx.Node, consumer: fx.Node | None = None, path=None):
         """The layout ``consumer`` reads of ``node`` (after its g, scatter or gather)."""

@@ -107,7 +107,9 @@ class _Rewriter:
             if regather is not None:
                 node = self._keep_shard(orig, node, *regather)
             self._rewrite_sizes(orig, node)
-            node = self.env[orig] = self._local_form(orig, node)
+            local = self._local_form(orig, node)
+            if local is not node:  # a mean's summand: its users read it instead
+                node = self.env[orig] = local
             self._stride_safe(orig, node, out)
             node = self._model_parallel_rng(orig, node, out)
             if out.role is Role.VOCAB_EMBEDDING:
