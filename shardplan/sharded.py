@@ -251,7 +251,9 @@ def compile_graph(gm: fx.GraphModule, backend: str) -> list[nn.Module]:
     return the units: every block's piece when the graph is cut into blocks
     (recomputation or FSDP2: torchtitan's per-block compile, the glue between blocks
     and FSDP2's hooks stay eager), else the whole graph. Batch and sequence become
-    dynamic on the first call with other sizes (one recompile)."""
+    dynamic on the first call with other sizes (one recompile). Dropout draws the
+    masks eager draws: the model-parallel stream through ``region_random``, the
+    replicated one through torch's generator (inductor's ``fallback_random``)."""
     fork = [name for name, m in gm.named_modules()
             if isinstance(m, ModelParallelRNG) and not m.traceable]
     if fork:
@@ -264,8 +266,11 @@ def compile_graph(gm: fx.GraphModule, backend: str) -> list[nn.Module]:
     units = [m.block for m in gm.modules() if isinstance(m, Recomputed)]
     units += [m.piece for m in gm.modules()
               if isinstance(m, OwnedPiece) and not isinstance(m.piece, Recomputed)]
+    # inductor draws replicated-stream dropout from its own generator unless told to call
+    # torch's: with the fallback a compiled model draws the masks an eager one draws
+    options = {"fallback_random": True} if backend == "inductor" else None
     for unit in units or [gm]:
-        unit.compile(fullgraph=True, backend=backend)
+        unit.compile(fullgraph=True, backend=backend, options=options)
     return units or [gm]
 
 

@@ -9,8 +9,9 @@ draws the keep-mask (scaled by ``1 / (1 - p)``) and advances the state in
 place. Eager and compiled runs therefore call the same op on the same state:
 they draw the same masks, and the ones ``aten.dropout`` would draw from that
 stream. Activation recomputation replays them by restoring the state tensor
-(``RNGTracker.model_parallel_at``). The mask is data, so autograd needs no
-formula for the op: the gradient flows through ``x * mask``.
+(``RNGTracker.model_parallel_at``). The mask is data (the op reads only the
+shape, dtype and device of a detached ``like``), so autograd needs no formula
+for the op: the gradient flows through ``x * mask``.
 
 ``DRAWS`` maps each random op of the rule file's ``random`` table that has a
 traceable form to it; ``graph_ops.ModelParallelRNG`` runs the others under
@@ -47,7 +48,7 @@ def dropout(state: torch.Tensor, input: torch.Tensor, p: float, train: bool) -> 
         return input
     if p == 1:
         return input * input.new_zeros(())
-    return input * model_parallel_noise(state, input, input.shape, p)
+    return input * model_parallel_noise(state, input.detach(), input.shape, p)
 
 
 def feature_dropout(state: torch.Tensor, input: torch.Tensor, p: float,
@@ -58,7 +59,7 @@ def feature_dropout(state: torch.Tensor, input: torch.Tensor, p: float,
     if p == 1:
         return input * input.new_zeros(())
     shape = [input.shape[0], input.shape[1], *[1] * (input.dim() - 2)]
-    return input * model_parallel_noise(state, input, shape, p)
+    return input * model_parallel_noise(state, input.detach(), shape, p)
 
 
 def attention(state: torch.Tensor, query, key, value, attn_mask=None, dropout_p: float = 0.0,
@@ -81,7 +82,7 @@ def attention(state: torch.Tensor, query, key, value, attn_mask=None, dropout_p:
         scores = (scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
                   else scores + attn_mask)
     probs = torch.ops.aten._safe_softmax(scores, -1)
-    return (probs * model_parallel_noise(state, probs, probs.shape, dropout_p)) @ value
+    return (probs * model_parallel_noise(state, probs.detach(), probs.shape, dropout_p)) @ value
 
 
 DRAWS = {"aten::dropout": dropout, "aten::feature_dropout": feature_dropout,
