@@ -25,7 +25,7 @@ from shardplan.models import build
 from shardplan.planner.capture import capture
 from shardplan.planner.recompute import Recomputed
 from shardplan.planner.rules import load_rules
-from shardplan.ranks import SimulatedRanks
+from shardplan.ranks import RealRanks, SimulatedRanks
 from shardplan.runtime.ledger import CommLedger
 from shardplan.sharded import ShardedModule
 
@@ -302,12 +302,14 @@ def inductor_eval(ctx):
 
 
 @pytest.mark.timeout(600)
-def test_inductor(real_ranks):
+def test_inductor():
     """Inductor: train-mode dropout (both streams) draws eager's masks; in eval mode the
-    compiled model equals the unsharded one."""
-    pool = real_ranks(2)
-    assert_same_draws(pool.run(dropout_step, "gpt", "inductor", False))
-    for compiled, want in pool.run(inductor_eval):
+    compiled model equals the unsharded one. Its own pool: inductor's C++ compile on a
+    loaded 2-core machine can outlast the shared pool's task timeout."""
+    with RealRanks(2, timeout=270) as pool:
+        assert_same_draws(pool.run(dropout_step, "gpt", "inductor", False))
+        ranks = pool.run(inductor_eval)
+    for compiled, want in ranks:
         assert len(compiled) == len(want) == 2  # logits, loss
         for got, ref in zip(compiled, want):
             torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
