@@ -107,8 +107,11 @@ def measure(n_embd: int, steps: int, warmup: int, ranks) -> tuple[dict, dict, st
 
 #: profiler categories, first match wins: (name, substrings of the op names in it)
 CATEGORIES = (
+    # eager collectives block inside the mappings' autograd Functions: their self time
     ("collectives (gloo, waits)", ("c10d", "gloo", "wait_tensor", "record_param_comms",
-                                   "all_reduce", "allreduce", "all_gather", "reduce_scatter")),
+                                   "all_reduce", "allreduce", "all_gather", "reduce_scatter",
+                                   "FromRegion", "ToRegion", "Sequence", "_SumOverReplicas",
+                                   "_GatherShard")),
     ("ledger op", ("shardplan::record_collective",)),
     ("GEMMs", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn")),
     ("attention kernels", ("flash_attention", "scaled_dot_product", "efficient_attention")),

@@ -32,13 +32,22 @@ def model_parallel_noise(state: torch.Tensor, like: torch.Tensor, shape: Sequenc
     ``aten.dropout`` draws it from a generator at ``state``; ``state`` advances."""
     gen = torch.Generator(like.device)
     gen.set_state(state)
-    mask = like.new_empty(shape).bernoulli_(1 - p, generator=gen).div_(1 - p)
+    mask = _empty(like, shape).bernoulli_(1 - p, generator=gen).div_(1 - p)
     state.copy_(gen.get_state())
     return mask
 
 
 @model_parallel_noise.register_fake
 def _(state, like, shape, p):
+    return _empty(like, shape)
+
+
+def _empty(like: torch.Tensor, shape) -> torch.Tensor:
+    """The tensor the mask is drawn into: ``like``'s layout where it has ``shape``
+    (``aten.dropout`` draws into ``empty_like(input)``, and the draw follows memory
+    order), else contiguous."""
+    if list(shape) == list(like.shape):
+        return torch.empty_like(like)
     return like.new_empty(shape)
 
 
