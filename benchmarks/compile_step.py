@@ -101,8 +101,8 @@ def measure(n_embd: int, steps: int, warmup: int, ranks) -> tuple[dict, dict, st
         print(f"  n_embd {n_embd} {'warm-up' if i < warmup else 'step'} {i + 1}: "
               + ", ".join(f"{n} {r['step'] * 1e3:.0f}" for n, r in done.items()) + " ms",
               file=sys.stderr, flush=True)
-    profiled = profile_table(ranks.run(_profile, ["shardplan, compiled", "shardplan"]))
-    return first, runs, profiled
+    prof = ranks.run(_profile, ["shardplan, compiled", "shardplan"])
+    return first, runs, profile_table(prof) + "\n\n" + explain(prof[0])
 
 
 #: profiler categories, first match wins: (name, substrings of the op names in it)
@@ -144,6 +144,30 @@ def _profile(ctx, names: list[str]) -> dict:
             sums[cat] += e.self_cpu_time_total / 1e3
         out[name] = dict(sums, step=wall * 1e3)
     return out
+
+
+def explain(prof: dict) -> str:
+    """What rank 0's profile (``_profile``: compiled and eager shardplan) says about the
+    room compile has: the GEMMs are the same library calls in both."""
+    c, e = prof["shardplan, compiled"], prof["shardplan"]
+    total = {k: sum(v for cat, v in p.items() if cat != "step") for k, p in (("c", c), ("e", e))}
+    gemm, coll = CATEGORIES[2][0], CATEGORIES[0][0]
+    region = CATEGORIES[-1][0]
+    rest_c = c[region] + c["other"] + c["ledger op"]
+    return (f"GEMMs take {c[gemm] / total['c']:.0%} of the compiled step's profiled time and "
+            f"{e[gemm] / total['e']:.0%} of the eager one's: inductor leaves them as the same "
+            "library calls (`aten::mm`/`addmm` as extern kernels), and the attention kernels "
+            "too. What compile can change is the rest: inductor's fused kernels, its wrapper "
+            f"and the ledger op took {rest_c:,.0f} ms against eager's {e['other']:,.0f} ms of "
+            f"elementwise ops and Python glue; collectives {c[coll]:,.0f} ms compiled (gloo "
+            f"work and `wait_tensor`) against {e[coll]:,.0f} ms eager (blocking inside the "
+            "mappings). " + (
+                f"Even removing eager's whole non-GEMM, non-collective time "
+                f"({e['other']:,.0f} ms of {total['e']:,.0f} ms) would not reach the 10% goal "
+                "while one rank's step is GEMM-bound on one CPU thread. "
+                if e["other"] < 0.1 * total["e"] else "") +
+            "On a loaded machine the wall times also include waiting for a core (compare "
+            "the CPU column).")
 
 
 def profile_table(per_rank: list[dict]) -> str:

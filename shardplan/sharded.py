@@ -47,6 +47,7 @@ class ShardedModule(nn.Module):
         self._gather, self._strict = gather_output, strict
         self.sequence_parallel = sequence_parallel
         self._graphs: dict = {}
+        #: what ``compile_graph`` compiled for each way of calling (call key -> modules)
         self.compiled_units: dict = {}
         self._draws = False  # a compiled graph draws from the model-parallel stream
         #: FQNs of the blocks whose activations are recomputed in backward
@@ -234,7 +235,6 @@ class ShardedModule(nn.Module):
             gm = route_through_owners(gm)
             adopt_tree(gm, self)
         if self._compile:
-            #: the modules torch.compile compiled for each way of calling (``compile_graph``)
             self.compiled_units[_key(args, kwargs, self.training)] = compile_graph(
                 gm, "inductor" if self._compile is True else self._compile)
             self._draws |= any(isinstance(m, ModelParallelRNG) for m in gm.modules())
