@@ -5,9 +5,11 @@ group) and compares, on every rank, the compiled sharded model with the eager
 sharded model and with the unsharded one: loss, gathered gradients and the
 ledger, with and without per-block recompute. Models are one layer of hidden
 32, captured once per rank and sharded four ways (eager/compiled x
-whole/per-block), so a case costs two compiles. Most cases use the
-``aot_eager`` backend (dynamo's full-graph capture and AOT autograd without
-C++ codegen); one proves inductor.
+whole/per-block), then called in eval mode without grad, so a case costs three
+compiles. Dropout inside tensor-parallel regions must draw eager's masks,
+compiled (with and without recompute). Most cases use the ``aot_eager``
+backend (dynamo's full-graph capture and AOT autograd without C++ codegen);
+one proves inductor. Compile with FSDP2 is in test_fsdp.py (4 ranks).
 """
 
 from __future__ import annotations
