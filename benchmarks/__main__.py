@@ -34,10 +34,14 @@ BENCHMARKS = {
     "recompute": ("activation memory per rank and forward+backward time with and without "
                   "recompute=True, tp 1 and 2", ["--quick"]),
     "sequence_parallel": ("sequence parallelism against plain TP: activation bytes per block at "
-                          "tp 1-8 against theory, communication bytes, step time at tp=2",
+                          "tp 1-8 against theory, communication bytes, step time at tp=2 "
+                          "against plain and DTensor's sequence-parallel plan",
                           ["--quick"]),
     "scale_out": ("TP x FSDP2 on 4 gloo ranks: memory per rank at dp x tp 1x4, 2x2, 4x1 "
                   "against the estimate; step time against TP x replicated DP", ["--quick"]),
+    "generate": ("decode latency and prefill throughput at tp 1/2/4 on gloo against the "
+                 "unsharded model and HF's tp_plan; K/V-cache bytes per rank; loading a "
+                 "multi-file checkpoint per rank", ["--quick"]),
     "memory_estimate": ("the training-memory estimate for Llama-70B/405B at the layouts people "
                         "use", []),
     "coverage": ("every Hugging Face text family, tiny, planned and verified at tp 2 and 4 "

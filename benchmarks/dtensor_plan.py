@@ -24,7 +24,8 @@ so a rank would hold all of q and half of k): ``hand_written`` needs separate
 q/k/v. ``global_activations()`` is the same plan with the model unchanged
 (q/k/v DTensors with global shapes through attention; fused q/k/v allowed),
 ``exported()`` shardplan's plan through ``parallelize_with_dtensor`` (global
-shapes too, the loss on gathered logits).
+shapes too, the loss on gathered logits). ``sequence_parallel()`` is the
+hand-written plan with Megatron's sequence parallelism (torchtitan's recipe).
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ import types
 import torch
 import torch.nn.functional as F
 
-__all__ = ["hand_written", "global_activations", "global_context", "exported",
-           "exported_context", "loss_context", "full"]
+__all__ = ["hand_written", "sequence_parallel", "global_activations", "global_context",
+           "exported", "exported_context", "loss_context", "full"]
 
 
 def _local_head_forward(self, x):
@@ -112,6 +113,63 @@ def hand_written(model, mesh):
         for layer in model.layers:
             layer.attention.n_heads //= tp
             layer.attention.n_kv_heads //= tp
+    return model
+
+
+def _gpt_sequence_styles(model) -> dict:
+    """torchtitan's sequence-parallel recipe on the bundled GPT (separate q/k/v): the
+    residual stream is this rank's tokens (local ``[B, T/t, C]``), norms
+    ``SequenceParallel``, each sublayer's input all-gathered once by a
+    ``PrepareModuleInput`` (``Shard(1)`` -> ``Replicate``), row outputs reduce-scattered
+    (``output_layouts=Shard(1)``), the head reading ``Shard(1)`` and giving class-sharded
+    logits for ``loss_parallel``. The learned position embedding's ``[T, C]`` output is
+    cut onto the tokens (``Shard(0)``) to add to the embedding's ``Shard(1)`` output."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                                   PrepareModuleOutput, RowwiseParallel,
+                                                   SequenceParallel)
+    if model.config.fused_qkv:
+        raise ValueError("a fused q/k/v has no DTensor style: build the GPT with fused_qkv=False")
+    tokens = lambda: PrepareModuleInput(input_layouts=(Shard(1),),  # noqa: E731
+                                        desired_input_layouts=(Replicate(),))
+    styles = {
+        "transformer.wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
+                                           use_local_output=False),
+        "transformer.wpe": PrepareModuleOutput(output_layouts=Replicate(),
+                                               desired_output_layouts=Shard(0),
+                                               use_local_output=False),
+        "transformer.drop": PrepareModuleOutput(output_layouts=Shard(1),
+                                                desired_output_layouts=Shard(1),
+                                                use_local_output=True),
+        "transformer.ln_f": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
+                                   use_local_output=False)}
+    for i in range(len(model.transformer.h)):
+        p = f"transformer.h.{i}"
+        styles.update({
+            f"{p}.ln_1": SequenceParallel(), f"{p}.ln_2": SequenceParallel(),
+            f"{p}.attn": tokens(), f"{p}.mlp": tokens(),
+            **{f"{p}.attn.{n}": ColwiseParallel() for n in ("q_proj", "k_proj", "v_proj")},
+            f"{p}.attn.c_proj": RowwiseParallel(output_layouts=Shard(1)),
+            f"{p}.mlp.c_fc": ColwiseParallel(),
+            f"{p}.mlp.c_proj": RowwiseParallel(output_layouts=Shard(1)),
+        })
+    return styles
+
+
+def sequence_parallel(model, mesh):
+    """Parallelize the bundled GPT (separate q/k/v) in place with the hand-written
+    sequence-parallel plan (``_gpt_sequence_styles``); run it under ``loss_context()``."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    parallelize_module(model, mesh, _gpt_sequence_styles(model))
+    for block in model.transformer.h:
+        attn = block.attn
+        attn.n_head_full = attn.n_head
+        attn.n_head //= mesh.size()
+        attn.forward = types.MethodType(_local_head_forward, attn)
+    if model.config.tie_weights:  # parallelize_module made a new parameter per module
+        model.lm_head.weight = model.transformer.wte.weight
     return model
 
 

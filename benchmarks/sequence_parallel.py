@@ -15,14 +15,16 @@ Communication: ``shardplan.plan(model, tp, sequence_parallel=...)``'s collective
 summed bytes per step (forward and backward), by purpose.
 
 Time: two gloo processes (``RealRanks(2)``, one torch thread each), a step is
-forward, backward, AdamW step and zero_grad; each round runs one step of both
-contenders in an order rotated every round, each after a barrier; a step's time
-is the slower rank's; ratios per round.
+forward, backward, AdamW step and zero_grad; each round runs one step of each
+contender (plain, SP, DTensor's hand-written sequence-parallel plan) in an order
+rotated every round, each after a barrier; a step's time is the slower rank's;
+ratios per round; shardplan's c10d calls timed per contender.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import os
 import sys
 import time
@@ -54,11 +56,11 @@ def sizes(quick: bool) -> list[dict]:
     return [long, wide]
 
 
-def _model(sz: dict, n_layer: int):
+def _model(sz: dict, n_layer: int, fused_qkv: bool = True):
     from shardplan.models import build
     torch.manual_seed(0)
     model = build("gpt-tiny", n_layer=n_layer, n_embd=sz["h"], n_head=sz["heads"],
-                  vocab_size=sz["vocab"], block_size=sz["seq"], dropout=0.0)
+                  vocab_size=sz["vocab"], block_size=sz["seq"], dropout=0.0, fused_qkv=fused_qkv)
     g = torch.Generator().manual_seed(1)
     batch = tuple(torch.randint(0, sz["vocab"], (sz["batch"], sz["seq"]), generator=g)
                   for _ in range(2))
@@ -139,7 +141,12 @@ def comm(sz: dict, tps) -> dict:
                 by[key] += c.bytes
                 # a ring all-reduce sends 2(t-1)/t of the tensor, a reduce-scatter or all-gather (t-1)/t
                 wire[key] += c.bytes * (tp - 1) / tp * (2 if c.kind == "all_reduce" else 1)
-            out[tp, sp] = dict(total=sum(by.values()), wire=sum(wire.values()),
+            head = p.param("lm_head.weight")
+            # a replicated head run on the tokens: its weight's gradient is summed (ring
+            # all-reduce), inside the block-less bucket; Megatron keeps the head vocab-parallel
+            head_sum = (4 * math.prod(head.global_shape) * 2 * (tp - 1) / tp
+                        if sp and head.layout == "R" else 0.0)
+            out[tp, sp] = dict(total=sum(by.values()), wire=sum(wire.values()), head_sum=head_sum,
                                n=sum(1 for c in p.collectives
                                      if getattr(c.purpose, "value", c.purpose) != "gather_output"),
                                by=dict(by), by_wire=dict(wire))
@@ -149,54 +156,103 @@ def comm(sz: dict, tps) -> dict:
 # --------------------------------------------------------------------------------- time
 
 _STATE: dict = {}
+CONTENDERS = ("plain", "SP", "DTensor SP")
 
 
 def _setup(ctx, sz: dict) -> None:
+    import contextlib
+
     import shardplan
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from . import dtensor_plan
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    model, batch = _model(sz, sz["layers"])
+    model, batch = _model(sz, sz["layers"], fused_qkv=False)  # DTensor needs separate q/k/v
+    mesh = init_device_mesh("cpu", (ctx.world_size,))
     _STATE.clear()
     _STATE["batch"] = batch
-    for sp in MODES:
-        m = shardplan.parallelize(copy.deepcopy(model), group=ctx.group, example_inputs=batch,
-                                  gather_output=False, sequence_parallel=sp)
-        _STATE[sp] = (m, torch.optim.AdamW(m.parameters(), lr=1e-3))
+    for name in CONTENDERS:
+        m = copy.deepcopy(model)
+        if name == "DTensor SP":
+            m, context = dtensor_plan.sequence_parallel(m, mesh), dtensor_plan.loss_context
+        else:
+            m = shardplan.parallelize(m, group=ctx.group, example_inputs=batch,
+                                      gather_output=False, sequence_parallel=name == "SP")
+            context = contextlib.nullcontext
+        _STATE[name] = (m, torch.optim.AdamW(m.parameters(), lr=1e-3), context)
+    _time_collectives()
+
+
+def _time_collectives() -> None:
+    """Time every collective shardplan's contenders run, by contender and c10d call."""
+    from shardplan.runtime import comm
+    spent = _STATE["spent"] = defaultdict(lambda: [0.0, 0])
+    checked = comm.TorchGroup._checked
+
+    def timed(self, fn, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return checked(self, fn, *args, **kwargs)
+        finally:
+            cell = spent[_STATE.get("running"), fn.__name__]
+            cell[0] += time.perf_counter() - t0
+            cell[1] += 1
+    comm.TorchGroup._checked = timed
+
+
+def _spent(ctx, reset: bool = False) -> dict:
+    """This rank's collective seconds and calls so far ((contender, call) -> [s, n])."""
+    out = {k: list(v) for k, v in _STATE["spent"].items()}
+    if reset:
+        _STATE["spent"].clear()
+    return out
 
 
 def _round(ctx, order) -> dict:
     import torch.distributed as dist
+
+    from .dtensor_plan import full
     out = {}
-    for sp in order:
+    for name in order:
         dist.barrier()
-        m, opt = _STATE[sp]
+        m, opt, context = _STATE[name]
+        _STATE["running"] = name
         t0 = time.perf_counter()
-        _, loss = m(*_STATE["batch"])
-        loss.backward()
+        with context():
+            _, loss = m(*_STATE["batch"])
+            loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        out[sp] = (time.perf_counter() - t0, loss.item())
+        out[name] = (time.perf_counter() - t0, float(full(loss.detach())))
     return out
 
 
 def timing(sz: dict, steps: int, warmup: int) -> dict:
     from shardplan.ranks import RealRanks
-    runs = {sp: [] for sp in MODES}
-    losses = []
+    runs = {name: [] for name in CONTENDERS}
+    losses = {name: [] for name in CONTENDERS}
     with RealRanks(2, timeout=600) as ranks:
         ranks.run(_setup, sz)
         for i in range(warmup + steps):
-            order = list(MODES) if i % 2 == 0 else list(MODES)[::-1]
+            order = list(CONTENDERS[i % 3:] + CONTENDERS[:i % 3])  # rotated every round
             per_rank = ranks.run(_round, order)
-            got = {sp: max(r[sp][0] for r in per_rank) for sp in MODES}
-            losses.append(abs(per_rank[0][True][1] - per_rank[0][False][1]))
+            got = {name: max(r[name][0] for r in per_rank) for name in CONTENDERS}
+            for name in CONTENDERS:
+                losses[name] += [r[name][1] for r in per_rank]
+            if i + 1 == warmup:
+                ranks.run(_spent, True)
             if i >= warmup:
-                for sp in MODES:
-                    runs[sp].append(got[sp])
-            print(f"  time round {i + 1}: " + ", ".join(f"{NAME[sp]} {got[sp] * 1e3:.0f} ms"
-                                                          for sp in MODES),
+                for name in CONTENDERS:
+                    runs[name].append(got[name])
+            print(f"  time round {i + 1}: " + ", ".join(f"{name} {got[name] * 1e3:.0f} ms"
+                                                          for name in CONTENDERS),
                   file=sys.stderr, flush=True)
-    runs["loss_diff"] = max(losses)
+        spent = ranks.run(_spent)
+    runs["collectives"] = {k: [sum(r[k][0] for r in spent) / len(spent) / steps,
+                               spent[0][k][1] / steps] for k in spent[0]}
+    runs["loss_diff"] = {name: max(abs(a - b) for a, b in zip(losses[name], losses["plain"]))
+                         for name in ("SP", "DTensor SP")}
     return runs
 
 
@@ -223,20 +279,50 @@ def memory_table(results: list) -> str:
     return "\n".join(lines)
 
 
+def _split_extra(s: dict) -> dict:
+    """SP's sent bytes beyond plain's pairs, by who else pays them: re-gathers and the
+    norms' and row biases' gradient sums (Megatron pays both), and ours alone: the
+    replicated head's weight-gradient sum and the gathers before it (``seq_unshard``), the
+    position embedding's gradient sum (``seq_grad`` of an activation)."""
+    w = s["by_wire"]
+    pick = lambda *pre: sum(v for k, v in w.items() if k.startswith(pre))  # noqa: E731
+    return dict(regather=pick("seq_regather"),
+                megatron_sums=pick("seq_grad_bucket") - s["head_sum"],
+                ours=s["head_sum"] + pick("seq_unshard") + pick("seq_grad "))
+
+
+def _residual(s: dict, p: dict) -> float:
+    """SP's sent bytes less plain's and less the three extra columns (0 when the table
+    accounts for everything)."""
+    return s["wire"] - p["wire"] - sum(_split_extra(s).values())
+
+
 def comm_table(results: list) -> str:
     lines = ["| size | tp | logical MB: plain (collectives) | SP (collectives) | SP / plain "
              "| sent per rank (ring), MB: plain | SP | SP / plain "
-             "| of SP's sent: backward re-gathers | gradient sums |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| of SP's sent, Megatron pays too: backward re-gathers | norm and bias gradient "
+             "sums | not in Megatron: head, position embedding |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for sz, cm in results:
         for tp in sorted({t for t, _ in cm}):
             p, s = cm[tp, False], cm[tp, True]
-            regather = sum(v for k, v in s["by_wire"].items() if k.startswith("seq_regather"))
-            sums = sum(v for k, v in s["by_wire"].items() if k.startswith("seq_grad"))
+            x = _split_extra(s)
             lines.append(f"| {sz['name']} | {tp} | {_mb(p['total'])} ({p['n']}) "
                          f"| {_mb(s['total'])} ({s['n']}) | {s['total'] / p['total']:.3f} "
                          f"| {_mb(p['wire'])} | {_mb(s['wire'])} | {s['wire'] / p['wire']:.3f} "
-                         f"| {_mb(regather)} | {_mb(sums)} |")
+                         f"| {_mb(x['regather'])} | {_mb(x['megatron_sums'])} "
+                         f"| {_mb(x['ours'])} |")
+    return "\n".join(lines)
+
+
+def _x3(x: float) -> str:
+    return f"{x:.3f}"
+
+
+def collective_table(spent: dict) -> str:
+    lines = ["| contender | c10d call | calls per step | ms per step |", "|---|---|---:|---:|"]
+    for (name, call), (sec, n) in sorted(spent.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
+        lines.append(f"| {name} | `{call}` | {n:.0f} | {sec * 1e3:.1f} |")
     return "\n".join(lines)
 
 
@@ -256,7 +342,8 @@ def main(argv=None) -> int:
     runs = timing(tsz, steps, warmup)
     load_after = os.getloadavg()
 
-    ratio = [b / a for a, b in zip(runs[False], runs[True])]
+    ratio = [b / a for a, b in zip(runs["plain"], runs["SP"])]
+    vs_dtensor = [b / a for a, b in zip(runs["DTensor SP"], runs["SP"])]
     mismatch = [f"{sz['name']} tp={tp} {NAME[sp]}: measured {m['per_block']:,} B, theory "
                 f"{block_theory(sz, tp, sp):,}"
                 for sz, mm in mem for (tp, sp), m in mm.items()
@@ -265,10 +352,13 @@ def main(argv=None) -> int:
                        f"b {sz['batch']} (5as/h = {5 * sz['heads'] * sz['seq'] / sz['h']:.0f})"
                        for sz in sizes(args.quick))
     ttab = "\n".join([
-        "| contender | step, ms: median (min–max) | SP / plain per round |", "|---|---:|---:|",
-        f"| plain | {spread([x * 1e3 for x in runs[False]])} | |",
-        f"| SP | {spread([x * 1e3 for x in runs[True]])} | {spread(ratio, lambda x: f'{x:.3f}')} |"])
-    verdict = ("within" if med(ratio) <= 1.05 else "outside")
+        "| contender | step, ms: median (min–max) | SP / this per round |", "|---|---:|---:|",
+        f"| plain | {spread([x * 1e3 for x in runs['plain']])} | {spread(ratio, _x3)} |",
+        f"| SP | {spread([x * 1e3 for x in runs['SP']])} | |",
+        f"| DTensor SP | {spread([x * 1e3 for x in runs['DTensor SP']])} "
+        f"| {spread(vs_dtensor, _x3)} |"])
+    verdict = "within" if med(ratio) <= 1.05 else "outside"
+    verdict_dt = "within" if med(vs_dtensor) <= 0.75 else "outside"
     text = "\n".join([
         f"Activation memory per rank per block ({szdesc}; float32, dropout 0; the largest "
         "simulated rank; MB = 10^6 bytes):", "",
@@ -278,23 +368,34 @@ def main(argv=None) -> int:
         "", "Communication per training step (forward + backward), from `shardplan.plan`, "
         "2-layer models, MB = 10^6 bytes:", "",
         comm_table(cm), "",
-        "Sent per rank, SP less its backward re-gathers and gradient sums, equals plain to "
-        f"within {max(abs(m[t, True]['wire'] - m[t, False]['wire'] - sum(v for k, v in m[t, True]['by_wire'].items() if k.startswith(('seq_regather', 'seq_grad')))) for _, m in cm for t, _ in m):,.0f} bytes "
-        "in every row (at the long-sequence size exactly; at the wide-hidden size the residual "
-        "is the LM head: the plan keeps that head replicated under SP, so the sequence is "
-        "all-gathered before it (`seq_unshard`, with an f in backward), and the gradient sums "
-        "then include the whole tied head/embedding weight, V·h — most of that row's gradient "
-        "sums, the rest being the norms' and row biases' O(h) per layer and, at the long size, "
-        "the position embedding's s·h). So SP/plain in bytes sent is 1.35x and 1.6x at these "
-        "toy sizes: the re-gathers are one s·b·h all-gather per column GEMM input (2 per "
-        "layer), which Megatron also pays, and the gradient sums are fixed per model, so they "
+        "Sent per rank, SP less those three columns equals plain to within "
+        f"{max(abs(_residual(m[t, True], m[t, False])) for _, m in cm for t, _ in m):,.0f} "
+        "bytes in every row: an all-reduce and its reduce-scatter + all-gather pair send the "
+        "same. Megatron pays the re-gathers (one all-gather of s·b·h per gathered input, "
+        "shared by the linears reading it: q, k, v share one) and the norms' and row biases' "
+        "gradient sums (it all-reduces them in one bucket, as we do per block: "
+        "`seq_grad_bucket`). Ours alone: at the wide-hidden size the embedding has fewer rows "
+        "(vocabulary 256) than columns (h 512), so both plans keep the tied embedding and LM "
+        "head replicated (plain too: the head cannot be vocab-parallel while its tied "
+        "embedding is replicated); under SP that head runs on this rank's tokens, so its V·h "
+        "weight gradient is summed over the ranks, and its logits are gathered for the loss "
+        "(`seq_unshard`); at the long-sequence size the head is vocab-parallel as in plain and "
+        "the only such term is the position embedding's s·h gradient sum (Megatron, with a "
+        "learned position embedding, all-reduces the word embedding instead, adds the "
+        "positions on the whole sequence and then splits it: an all-reduce where we "
+        "reduce-scatter, and no gradient sum). The gradient sums are fixed per model, so they "
         "weigh less as b·s grows.", "",
         f"Training-step time at tp=2 on gloo (h {tsz['h']}, {tsz['heads']} heads, s {tsz['seq']}, "
         f"b {tsz['batch']}, {tsz['layers']} layers, vocabulary {tsz['vocab']}; {warmup} warm-up, "
         f"{steps} timed rounds):", "",
         ttab, "",
-        f"SP / plain step time, median per round: {med(ratio):.3f}x ({verdict} the 1.05x goal). "
-        f"Largest loss difference SP vs plain over the rounds: {runs['loss_diff']:.1e}."])
+        f"SP / plain step time, median per round: {med(ratio):.3f}x ({verdict} the 1.05x goal); "
+        f"SP / DTensor SP: {med(vs_dtensor):.3f}x ({verdict_dt} the 0.75x goal). Largest loss "
+        f"difference over the rounds against plain: SP {runs['loss_diff']['SP']:.1e}, DTensor SP "
+        f"{runs['loss_diff']['DTensor SP']:.1e}.", "",
+        "Time inside shardplan's collectives per step (mean of the two ranks; the c10d call "
+        "each runs; waiting for the slower rank included):", "",
+        collective_table(runs["collectives"])])
     print(text)
     if args.quick or args.no_write:
         return 0
@@ -345,11 +446,16 @@ def main(argv=None) -> int:
         "each column GEMM's saved input shard (`seq_regather`), and the all-reduces of the "
         "gradients of per-token replicated parameters (`seq_grad`: norm weights and biases, row "
         "biases, position embedding).", "",
-        "**Time**: two gloo processes (`RealRanks(2)`, one torch thread each), both contenders "
-        "built from the same weights and batch with an AdamW each; a step is forward, backward, "
-        "`optimizer.step()`, `zero_grad()`; each round runs one step of each, the order "
-        "alternating, each after a barrier; a step's time is the slower rank's; ratios are per "
-        "round, median (min–max).", "",
+        "**Time**: two gloo processes (`RealRanks(2)`, one torch thread each), three "
+        "contenders built from the same weights and batch (the GPT with separate q, k, v, "
+        "which DTensor's styles need) with an AdamW each: plain, SP, and DTensor's own "
+        "sequence-parallel plan written by hand (`benchmarks/dtensor_plan.py`, "
+        "`sequence_parallel`: torchtitan's recipe, `SequenceParallel` norms, "
+        "`PrepareModuleInput` from `Shard(1)`, column / row layers with `Shard(1)` "
+        "outputs, `loss_parallel`); a step is forward, backward, `optimizer.step()`, "
+        "`zero_grad()`; each round runs one step of each, the order rotated every round, each "
+        "after a barrier; a step's time is the slower rank's; ratios are per round, median "
+        "(min–max). shardplan's collectives are timed around each c10d call.", "",
         text, ""])
     write_doc(HEADING, section)
     return 0

@@ -101,9 +101,14 @@ def _fsdp_plan(model: nn.Module, fsdp, mesh, recompute) -> tuple[list[str], dict
 
 
 def _check_devices(model: nn.Module) -> None:
+    """Every tensor on one device; but a model whose parameters all wait on meta for a
+    checkpoint (``checkpoint.parameters_on_meta``) may hold real buffers."""
+    params = list(model.named_parameters())
+    waiting = bool(params) and all(t.is_meta for _, t in params)
     devices = {}
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        devices.setdefault(t.device, name)
+    for name, t in [*([] if waiting else params), *model.named_buffers()]:
+        if not (waiting and t.is_meta):
+            devices.setdefault(t.device, name)
     if len(devices) > 1:
         listed = ", ".join(f"{n} on {d}" for d, n in devices.items())
         raise ConfigurationError(

@@ -53,3 +53,8 @@ class CommunicationError(ShardplanError):
 
 class CheckpointError(ShardplanError):
     """A checkpoint that cannot be read, written or matched to the model."""
+
+
+class UnsupportedDecode(ConfigurationError):
+    """A model with no cached decode step (``shardplan.kvcache``); ``generate`` then
+    recomputes the prefix for every token instead, and warns with this reason."""

@@ -4,11 +4,13 @@
     out = sharded.generate(ids, max_new_tokens=20, do_sample=True, top_k=50,
                            generator=torch.Generator().manual_seed(0))
     out = generate(model, ids, max_new_tokens=20)                      # a plain module
+    out = generate(model, ids, max_new_tokens=20, step=decode_step(model, 1, 32))  # cached
 
-Each step recomputes the whole prefix (no KV cache): one forward of the
-model per new token, on batch x (prompt + generated) tokens. The sharded
-module captures a call signature once and reuses it for every length, so
-this costs no capture per step, but the work per step grows with the length.
+With a decode step (``step=``, see ``shardplan.kvcache``; the sharded
+module's ``generate`` passes its parallelized one) the prompt runs once and
+every later call feeds only the newest token, its keys and values kept in the
+step's cache. Without one, each step recomputes the whole prefix: one
+forward of the model on batch x (prompt + generated) tokens.
 
 Every rank computes the same gathered logits; rank 0 picks the next tokens
 (argmax, or a draw from its ``generator``, default the global RNG) and
@@ -39,7 +41,8 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
              do_sample: bool = False, temperature=_UNSET, top_k=_UNSET, top_p=_UNSET,
              eos_token_id=_UNSET, pad_token_id=_UNSET, attention_mask: torch.Tensor | None = None,
              generator: torch.Generator | None = None, group: Group | None = None,
-             source: nn.Module | None = None, gather=None) -> torch.Tensor:
+             source: nn.Module | None = None, gather=None,
+             step: nn.Module | None = None) -> torch.Tensor:
     """``input_ids`` (batch, prompt) followed by up to ``max_new_tokens`` generated tokens.
 
     ``model`` returns logits (batch, length, vocab): as a tensor, as the first
@@ -47,7 +50,10 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
     is the module whose forward signature and ``generation_config`` apply
     (default ``model``); ``group``: ranks that must agree on every token;
     ``gather``: turns this rank's part of the last position's logits into all
-    of them (for a sharded model that keeps its output split).
+    of them (for a sharded model that keeps its output split); ``step``: a decode
+    step (``kvcache.decode_step``, plain or parallelized with ``parallel_step``)
+    with room for ``input_ids``' batch and prompt + ``max_new_tokens`` - 1 positions,
+    used instead of ``model``'s forward on the whole prefix.
     Stops early once every sequence has produced ``eos_token_id``.
     """
     source = model if source is None else source
@@ -58,7 +64,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
                                  f"{list(input_ids.shape)}", fix="pass a 2-D tensor of token ids")
     takes = set(inspect.signature(source.forward).parameters)
     masked = attention_mask is not None and not bool(attention_mask.all())
-    if masked and not {"attention_mask", "position_ids"} <= takes:
+    if masked and step is None and not {"attention_mask", "position_ids"} <= takes:
         raise ConfigurationError(f"{type(source).__name__}.forward takes no attention_mask and "
                                  "position_ids, so padded prompts cannot be generated from",
                                  fix="pass prompts of equal length without padding")
@@ -69,11 +75,11 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
     ids = input_ids
     mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
     unfinished = torch.ones(ids.shape[0], dtype=torch.bool)
+    next_logits = _Recompute(model, takes, masked) if step is None else \
+        _Cached(step, input_ids.shape, max_new_tokens)
     with torch.no_grad():
-        for _ in range(max_new_tokens):
-            logits = _logits(model(**_inputs(takes, ids, mask, masked)) if takes >= {"input_ids"}
-                             else model(ids))
-            scores = logits[:, -1, :]
+        for i in range(max_new_tokens):
+            scores = next_logits(ids, mask)
             scores = (scores if gather is None else gather(scores)).to(torch.float32)
             token = _pick(scores, do_sample, opts, generator, group)
             if len(eos) and pad is not None:
@@ -87,19 +93,54 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
     return ids
 
 
+def positions(mask: torch.Tensor) -> torch.Tensor:
+    """Each token's position in its sequence, counted over unmasked tokens (HF's rule)."""
+    return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+
+
+class _Recompute:
+    """The last position's logits from a forward of the model on the whole prefix."""
+
+    def __init__(self, model: nn.Module, takes: set, masked: bool):
+        self.model, self.takes, self.masked = model, takes, masked
+
+    def __call__(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if self.takes >= {"input_ids"}:
+            kw = {"input_ids": ids}
+            if self.masked:
+                kw.update(attention_mask=mask, position_ids=positions(mask))
+            return _logits(self.model(**kw))[:, -1, :]
+        return _logits(self.model(ids))[:, -1, :]
+
+
+class _Cached:
+    """The last position's logits from a decode step (``shardplan.kvcache``): the prompt
+    first (prefill), then only the newest token, written into the next cache slot."""
+
+    def __init__(self, step: nn.Module, shape: torch.Size, max_new_tokens: int):
+        cache = getattr(step, "source", step)  # a parallelized step's own decode step
+        batch, prompt = shape
+        if batch != cache.batch or prompt + max_new_tokens - 1 > cache.max_len:
+            raise ConfigurationError(
+                f"{batch} prompts of {prompt} tokens and {max_new_tokens} new ones do not fit a "
+                f"cache of {cache.batch} sequences of {cache.max_len} positions",
+                fix="build the decode step with as many sequences as prompts and max_len >= "
+                    "prompt length + max_new_tokens - 1")
+        self.step, self.max_len, self.filled = step, cache.max_len, 0
+
+    def __call__(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        start, end = self.filled, ids.shape[1]
+        slots = torch.nn.functional.pad(mask, (0, self.max_len - end))
+        logits = _logits(self.step(ids[:, start:], positions(mask)[:, start:],
+                                   torch.arange(start, end, device=ids.device), slots))
+        self.filled = end
+        return logits[:, -1, :]
+
+
 def _options(source: nn.Module, **given) -> dict:
     """The given sampling options; the unset ones from an HF ``generation_config``."""
     config = getattr(source, "generation_config", None)
     return {k: (getattr(config, k, None) if v is _UNSET else v) for k, v in given.items()}
-
-
-def _inputs(takes: set, ids, mask, masked: bool) -> dict:
-    """Keyword inputs of an HF-style forward: positions counted over unmasked tokens."""
-    kw = {"input_ids": ids}
-    if masked:
-        kw["attention_mask"] = mask
-        kw["position_ids"] = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
-    return kw
 
 
 def _logits(out) -> torch.Tensor:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -74,18 +75,18 @@ def _on_rank(group, args, ids: torch.Tensor) -> torch.Tensor:
 
 def _sharded(group, args, ids):
     import shardplan
-    from .checkpoint import load_full_state_dict, load_pretrained
+    from .checkpoint import load_full_state_dict, load_pretrained, parameters_on_meta
     from .cli import build_target
     if group.size != args.tp:
         raise TargetError(f"--tp {args.tp} but {group.size} ranks are running")
     if Path(args.target).is_dir():
         return load_pretrained(args.target, group=group, example_inputs={"input_ids": ids})
-    with torch.random.fork_rng(devices=[]):
+    loads = args.checkpoint is not None  # then parameters wait on meta, buffers are computed
+    with torch.random.fork_rng(devices=[]), parameters_on_meta() if loads else nullcontext():
         torch.manual_seed(0)
-        model = build_target(args.target, meta=args.checkpoint is not None).eval()
-    sharded = shardplan.parallelize(model, group=group, example_inputs=ids,
-                                    check_model=args.checkpoint is None)
-    if args.checkpoint is not None:
+        model = build_target(args.target, meta=False).eval()
+    sharded = shardplan.parallelize(model, group=group, example_inputs=ids, check_model=not loads)
+    if loads:
         load_full_state_dict(sharded, args.checkpoint)
     return sharded.eval()
 

@@ -8,6 +8,8 @@ graph; every graph binds the same parameter shards.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.fx as fx
 import torch.nn as nn
@@ -38,7 +40,8 @@ class ShardedModule(nn.Module):
     def __init__(self, source: nn.Module, group: Group, rules: RuleSet, *,
                  example: tuple[tuple, dict], gather_output: bool, strict: bool,
                  recompute=False, compile=False, captured: Captured | None = None,
-                 sequence_parallel: bool = False, fsdp_blocks: list[str] = ()):
+                 sequence_parallel: bool = False, fsdp_blocks: list[str] = (),
+                 keep: dict | None = None):
         super().__init__()
         self.training = source.training  # the mode the first graph is captured in
         self._compile = compile  # False, or torch.compile's backend (True: inductor)
@@ -47,6 +50,7 @@ class ShardedModule(nn.Module):
         self._gather, self._strict = gather_output, strict
         self.sequence_parallel = sequence_parallel
         self._graphs: dict = {}
+        self._decoders: dict = {}  # (batch, max_len) -> the parallelized decode step
         #: what ``compile_graph`` compiled for each way of calling (call key -> modules)
         self.compiled_units: dict = {}
         self._draws = False  # a compiled graph draws from the model-parallel stream
@@ -56,7 +60,7 @@ class ShardedModule(nn.Module):
         self.fsdp_blocks = list(fsdp_blocks)
         args, kwargs = example
         with PLANNING_LOCK:
-            ann, captured = self._annotate(args, kwargs, source.training, captured)
+            ann, captured = self._annotate(args, kwargs, source.training, captured, keep)
             #: what was decided (``Plan``), for the example inputs
             self.plan = build_plan(source, captured, ann, rules, args, kwargs)
             self._layouts = dict(ann.params)
@@ -113,13 +117,80 @@ class ShardedModule(nn.Module):
             tracker_for(self._group.rank)
         return gm(*args, **kwargs)
 
-    def generate(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
+    def generate(self, input_ids: torch.Tensor, *, kv_cache: bool = True,
+                 **kwargs) -> torch.Tensor:
         """Greedy or sampled generation, the same tokens on every rank (collective);
-        see ``shardplan.generate.generate`` for the arguments."""
+        see ``shardplan.generate.generate`` for the arguments.
+
+        With ``kv_cache`` (the default) the model runs as its decode step
+        (``decoder``): the prompt once, then one token per step, each rank
+        holding its heads of the K/V cache. A model with no decode step
+        recomputes the whole prefix for every token, with a warning saying why.
+        """
         from .generate import generate
-        gather = None if self._gather else self._vocab_gather()
+        step = self._decoder_for(input_ids, kwargs.get("max_new_tokens", 0)) \
+            if kv_cache else None
+        gather = None if self._gather or step is not None else self._vocab_gather()
         return generate(self, input_ids, group=self._group, source=self._source[0],
-                        gather=gather, **kwargs)
+                        gather=gather, step=step, **kwargs)
+
+    def decoder(self, batch: int, max_len: int,
+                captured: Captured | None = None) -> "ShardedModule":
+        """The parallelized decode step (``kvcache.decode_step``) of this model for ``batch``
+        sequences of up to ``max_len`` tokens: its K/V caches split by heads, its
+        parameters this module's own shards (not copies). Made once per (batch,
+        max_len); raises ``UnsupportedDecode`` where the model has none. The step's plan
+        keeps replicated what this module's plan does; ``captured``: the step's capture,
+        if made already (``capture(step, step.example(2))``)."""
+        from .kvcache import decode_step
+        key = (batch, max_len)
+        if key not in self._decoders:
+            keep = {"model." + fqn: lay for fqn, lay in self.layouts.items()}
+            with PLANNING_LOCK:
+                step = decode_step(self._source[0], batch, max_len)
+            sharded = parallel_step(step, self._group, self._rules, strict=self._strict,
+                                    captured=captured, keep=keep)
+            sharded._adopt(self, prefix="model.")
+            self._decoders[key] = sharded
+        return self._decoders[key]
+
+    def _decoder_for(self, input_ids: torch.Tensor, max_new_tokens: int):
+        """The decode step that fits this generation, or None (warned) where there is none."""
+        from .errors import ShardplanError
+        from .kvcache import cache_length
+        batch, prompt = input_ids.shape if input_ids.dim() == 2 else (0, 0)
+        if not batch or not prompt or max_new_tokens < 1:
+            return None  # generate() reports the bad arguments
+        try:
+            return self.decoder(batch, cache_length(self._source[0], prompt + max_new_tokens - 1))
+        except ShardplanError as e:  # no step, or one that cannot be captured or planned
+            warnings.warn(f"generate: no K/V cache, the prefix is recomputed for every token: "
+                          f"{e.what}", stacklevel=3)
+            return None
+
+    def _adopt(self, owner: "ShardedModule", prefix: str) -> None:
+        """Read ``owner``'s tensors (this module's FQN = ``prefix`` + theirs) in place of this
+        module's copies of them; caches still on ``meta`` become zeros on ``owner``'s device."""
+        from .errors import UnsupportedDecode
+        device = _device_of(owner)
+        for fqn, mine in list(self._tensors.items()):
+            theirs = owner._tensors.get(fqn.removeprefix(prefix)) if fqn.startswith(prefix) \
+                else None
+            if theirs is None:
+                if mine.is_meta:
+                    new = set_spec(torch.zeros(mine.shape, dtype=mine.dtype, device=device),
+                                   spec_of(mine))
+                    self._tensors[fqn] = new
+                continue
+            if spec_of(theirs) != spec_of(mine) or theirs.shape != mine.shape:
+                raise UnsupportedDecode(
+                    f"the decode step splits {fqn.removeprefix(prefix)} as "
+                    f"{spec_of(mine).layout} but the model as {spec_of(theirs).layout}")
+            self._tensors[fqn] = theirs
+        for gm in self._graphs.values():
+            bind(gm, self._tensors)
+        for name, t in self._graphs[self._last]._parameters.items():
+            self._parameters[name] = t
 
     def _vocab_gather(self):
         """With gather_output=False: the function that turns this rank's part of the last
@@ -144,6 +215,7 @@ class ShardedModule(nn.Module):
         from then on this rank's parameters are its ``DTensor`` shards of its TP shards."""
         apply_fsdp(self, self.fsdp_blocks, dp_mesh, options)
         self._tensors.update(self.named_parameters(remove_duplicate=False))
+        self._decoders.clear()
 
     def load_local_(self, tensors: dict[str, torch.Tensor]) -> None:
         """Set this rank's tensors by FQN (every alias of a tied one): copied in place
@@ -168,6 +240,7 @@ class ShardedModule(nn.Module):
             bind(gm, self._tensors)
         for name, t in self._graphs[self._last]._parameters.items():
             self._parameters[name] = t
+        self._decoders.clear()  # they read the tensors replaced above
 
     def _check_materialized(self, args, kwargs) -> None:
         if not any(t.is_meta for t in self._tensors.values()):
@@ -244,6 +317,19 @@ class ShardedModule(nn.Module):
         if block in self.recomputed:
             piece = Recomputed(piece, block, self._group)
         return OwnedPiece(piece, block) if self.fsdp_blocks else piece
+
+
+def parallel_step(step: nn.Module, group: Group, rules: RuleSet, *, strict: bool = False,
+                  captured: Captured | None = None, keep: dict | None = None) -> ShardedModule:
+    """A decode step (``kvcache.DecodeStep``) parallelized with its logits gathered, from one
+    capture: the prompt's, whose token count stays symbolic, also serves every single
+    token after it (the caches' shapes are static). The step's full-size caches are
+    released: a rank holds only its shards."""
+    sharded = ShardedModule(step, group, rules, example=(step.example(2), {}),
+                            gather_output=True, strict=strict, captured=captured, keep=keep)
+    sharded._graphs[_key(step.example(1), {}, step.training)] = sharded.graph_module
+    step.release_caches()  # this rank's shards (or, replicated, the same objects) stay
+    return sharded
 
 
 def compile_graph(gm: fx.GraphModule, backend: str) -> list[nn.Module]:

@@ -87,6 +87,18 @@ def real_step(ctx, name, args):
     return r[:4]
 
 
+def hf_real_steps(ctx, kinds, b, t):
+    """On one real rank, a sequence-parallel step of each tiny Hugging Face model in
+    ``kinds``: {kind: (output, loss, grads, layouts, ledger records, plan)}."""
+    from hf_cases import build, inputs
+    from shardplan.planner.capture import capture
+    out = {}
+    for kind in kinds:
+        model, kw = build(kind, heads=8, kv_heads=4, layers=1), inputs(b, t)
+        out[kind] = step(ctx, model, (), kw, capture(model, (), kw))[:6]
+    return out
+
+
 def dropout_step(ctx, recompute: bool):
     """One sequence-parallel step of a dropout GPT (recompute_cases') on this rank:
     (loss, grads, the masks of the dropouts run on this rank's tokens in forward)."""

@@ -11,6 +11,7 @@ import copy
 import functools
 import json
 import sys
+import threading
 
 import pytest
 import safetensors.torch
@@ -177,14 +178,61 @@ def test_split_checkpoint_costs_a_rank_its_shard(real_ranks, tmp_path):
         assert grown < 0.8 * full
 
 
+def test_parameters_on_meta_keeps_computed_buffers():
+    """Parameters on meta, buffers as the constructor computed them (bundled Llama's
+    unsaved RoPE tables); another thread meanwhile builds real parameters; nn.Module
+    as it was afterwards, also after an error."""
+    register = torch.nn.Module.register_parameter
+    other = []
+    with ck.parameters_on_meta():
+        m = build("llama-tiny")
+        thread = threading.Thread(target=lambda: other.append(torch.nn.Linear(2, 2)))
+        thread.start()
+        thread.join()
+    assert not other[0].weight.is_meta
+    reference = build("llama-tiny")
+    assert all(p.is_meta for p in m.parameters())
+    buffers = dict(reference.named_buffers())
+    assert set(buffers) >= {"rope_cos", "rope_sin"}
+    for name, b in m.named_buffers():
+        assert not b.is_meta and torch.equal(b, buffers[name]), name
+    with pytest.raises(ValueError), ck.parameters_on_meta():
+        raise ValueError
+    assert torch.nn.Module.register_parameter is register
+    assert not torch.nn.Linear(2, 2).weight.is_meta
+
+
 def pretrained(ctx, path):
+    """This rank's logits, greedy tokens and local shapes from ``load_pretrained(path)``."""
     ids = torch.tensor([[5, 6, 7, 8]])
     sharded = ck.load_pretrained(path, group=ctx.group, example_inputs={"input_ids": ids})
-    return sharded.generate(ids, max_new_tokens=3, do_sample=False)
+    with torch.no_grad():
+        logits = sharded(input_ids=ids).logits
+    shapes = {k: tuple(t.shape) for k, t in sharded.state_dict().items()}
+    return logits, sharded.generate(ids, max_new_tokens=3, do_sample=False), shapes
 
 
-def test_load_pretrained_folder_generates_like_hf(saved):
-    _, split = saved
-    expected = model().generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=3, do_sample=False)
-    for got in SimulatedRanks(2).run(pretrained, split):
-        assert torch.equal(got, expected)
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_load_pretrained_folder_matches_hf(kind, saved, tmp_path):
+    """HF config + several weight files -> a sharded model whose logits and greedy tokens
+    are HF's on every rank. Llama's rotary ``inv_freq`` is not saved: it must come from
+    the config, not stay on meta."""
+    if kind == "gpt2":
+        hf, folder = model(), saved[1]
+        split = "transformer.h.0.mlp.c_fc.weight"  # Conv1D: (in, out), columns split
+        local = {split: (64, 128)}
+    else:
+        hf, folder = hf_cases.build("llama"), tmp_path / "llama"
+        hf.save_pretrained(folder, max_shard_size="20KB")
+        local = {"model.layers.0.self_attn.q_proj.weight": (32, 64),
+                 "model.layers.1.mlp.down_proj.weight": (64, 48)}
+    assert len(list(folder.glob("model-*.safetensors"))) >= 3
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        expected_logits = hf(input_ids=ids).logits
+    expected = hf.generate(ids, max_new_tokens=3, do_sample=False)
+    for rank, (logits, tokens, shapes) in enumerate(SimulatedRanks(2).run(pretrained, folder)):
+        torch.testing.assert_close(logits, expected_logits, atol=1e-5, rtol=1e-5)
+        assert torch.equal(tokens, expected), (rank, tokens, expected)
+        for name, shape in local.items():
+            assert shapes[name] == shape, (rank, name, shapes[name])  # sharded, not replicated

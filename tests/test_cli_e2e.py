@@ -1,6 +1,7 @@
 """The ``shardplan`` commands end to end, each in a subprocess with a timeout: verify's
 exit status on a wrong rule set and a right one, plan --strict on an op with no rule,
-the installed console script, and ``torchrun -m shardplan.train --resume``."""
+the installed console script, ``torchrun -m shardplan.train --resume``, and
+``torchrun -m shardplan.cli generate`` on a Hugging Face folder."""
 
 from __future__ import annotations
 
@@ -193,3 +194,25 @@ def test_torchrun_resume_continues_the_uninterrupted_run(tmp_path):
     assert want and sorted(want) == sorted(got)
     for k in want:
         assert torch.equal(want[k], got[k]), k
+
+
+# -- torchrun -m shardplan.cli generate --------------------------------------------------
+
+
+@pytest.mark.real
+@pytest.mark.timeout(240)
+def test_torchrun_generate_from_a_pretrained_folder_prints_hf_greedy_tokens(tmp_path):
+    """``shardplan generate FOLDER --tp 2`` under torchrun (each process one gloo rank) on a
+    tiny HF Llama saved in several files: rank 0 prints HF's own greedy ``generate``."""
+    import hf_cases
+    model = hf_cases.build("llama")
+    model.save_pretrained(tmp_path / "llama", max_shard_size="20KB")
+    assert len(list((tmp_path / "llama").glob("model-*.safetensors"))) >= 3
+    prompt = [5, 6, 7, 8]
+    expected = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "shardplan.cli", "generate", str(tmp_path / "llama"), "--tp", "2",
+           "--prompt", " ".join(map(str, prompt)), "--max-new-tokens", "6"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=_env())
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.stdout.split() == [str(int(t)) for t in expected[0]], proc.stdout  # rank 0 only

@@ -144,7 +144,13 @@ def test_demo_end_to_end(tmp_path):
         plan = shardplan.Plan.from_json(f.read())
     assert_megatron_plan(plan)
     assert summary["plan"]["collectives_per_step"] == len(plan.collectives)
-    assert "match" in open(os.path.join(out, "summary.md")).read()
+    markdown = open(os.path.join(out, "summary.md")).read()
+    assert "match" in markdown
+    # the summary ends with lines sampled from the trained sharded model, one per prompt
+    assert len(summary["samples"]) == len(demo.SAMPLE_PROMPTS)
+    for prompt, line in zip(demo.SAMPLE_PROMPTS, summary["samples"]):
+        assert line.startswith(prompt) and len(line) > len(prompt) + 8, line
+        assert repr(line) in markdown and repr(line) in proc.stdout
 
 
 @pytest.mark.real

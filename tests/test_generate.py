@@ -1,11 +1,14 @@
-"""Generation on sharded models: token for token what the unsharded model generates.
+"""Generation on sharded models with a K/V cache split by heads: token for token
+what Hugging Face's ``generate`` returns on the unsharded model.
 
-HF GPT-2 (vocabulary 101, padded) and HF Llama with one K/V head (held by
-groups of ranks) against HF's own ``generate``, on a left-padded batch,
-greedy (with an eos that ends one sequence early) and seeded sampling; the
-bundled GPT and Llama against ``generate`` of the unsharded model. The
-sharded model is parallelized with the call signature generation uses, so
-each rank captures once.
+Six HF decoder families (GPT-2, Llama with fewer K/V heads than tp, Qwen2,
+Mistral, OPT, Gemma with one K/V head) on a left-padded batch, greedy
+(and with an eos that ends one sequence early) and seeded sampling, on
+simulated ranks at tp 2 and 4 and once on real gloo ranks. Each case also
+checks that the decode step's caches are split by heads (bytes per rank) and
+that one capture serves the prompt and every later token. The sharded models
+are built from captures made once for all ranks (``captured=``), as the other
+HF tests do.
 """
 
 from __future__ import annotations
@@ -14,138 +17,173 @@ import copy
 import functools
 
 import pytest
-import safetensors.torch
 import torch
 
-import hf_cases
 import shardplan
-from shardplan import ConfigurationError
 from shardplan.generate import generate
-from shardplan.models import build
+from shardplan.kvcache import decode_step
+from shardplan.layouts import Shard
 from shardplan.planner.capture import capture
 from shardplan.planner.rules import load_rules
 from shardplan.ranks import SimulatedRanks
-from shardplan.runtime.ledger import CommLedger
-from shardplan.sharded import ShardedModule
+from shardplan.sharded import ShardedModule, parallel_step
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(300)
 
-NEW = 5
+NEW, VOCAB, CACHE = 5, 101, 16  # 5 prompt + 5 new tokens fit a 16-slot cache
 SAMPLE = dict(do_sample=True, temperature=0.8, top_k=20, top_p=0.9)
 
 
-def hf_model(kind: str):
-    return hf_cases.build(kind, kv_heads=1)
+def build(kind: str, kv_heads: int = 2):
+    """A 2-layer HF causal LM of width 32 with 4 heads, random weights."""
+    import transformers as tf
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    decoder = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                   intermediate_size=64, max_position_embeddings=64, **common)
+    if kind == "gpt2":
+        model = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=2, n_embd=32, n_head=4,
+                                                 n_positions=32, **common))
+    elif kind == "opt":
+        model = tf.OPTForCausalLM(tf.OPTConfig(num_hidden_layers=2, hidden_size=32,
+                                               num_attention_heads=4, ffn_dim=64,
+                                               word_embed_proj_dim=32,
+                                               max_position_embeddings=64, **common))
+    else:
+        config, cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
+                       "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+                       "mistral": ("MistralConfig", "MistralForCausalLM"),
+                       "gemma": ("GemmaConfig", "GemmaForCausalLM")}[kind]
+        extra = {"head_dim": 8} if kind == "gemma" else {}
+        model = getattr(tf, cls)(getattr(tf, config)(num_key_value_heads=kv_heads, **decoder,
+                                                     **extra))
+    model.config._attn_implementation = "sdpa"
+    return model.eval()
 
 
 def prompts():
     """Two prompts of 5 and 3 tokens, the shorter left-padded with 0."""
-    ids = torch.randint(1, hf_cases.VOCAB, (2, 5), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(1, VOCAB, (2, 5), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     ids[1, :2], mask[1, :2] = 0, 0
     return ids, mask
 
 
 def example(ids, mask):
-    """The keyword inputs generation calls an HF model with on a padded batch."""
+    """The keyword inputs a padded batch's forward takes."""
     return {"input_ids": ids, "attention_mask": mask, "position_ids": mask}
 
 
-def hf_runs(sharded, eos_token_id: int):
-    """(greedy, greedy ending at ``eos_token_id``, seeded sample) from a model with ``generate``."""
+def runs(model, eos_token_id: int):
+    """(greedy, greedy ending at ``eos_token_id``, seeded sample) from a model's ``generate``."""
     ids, mask = prompts()
-    greedy = sharded.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
-    eos = sharded.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
-                           eos_token_id=eos_token_id, pad_token_id=7)
-    if isinstance(sharded, ShardedModule):
-        sampled = sharded.generate(ids, attention_mask=mask, max_new_tokens=NEW,
-                                   generator=torch.Generator().manual_seed(3), **SAMPLE)
+    greedy = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    eos = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
+                         eos_token_id=eos_token_id, pad_token_id=7)
+    if isinstance(model, ShardedModule):
+        sampled = model.generate(ids, attention_mask=mask, max_new_tokens=NEW,
+                                 generator=torch.Generator().manual_seed(3), **SAMPLE)
     else:  # HF draws from the global RNG
         torch.manual_seed(3)
-        sampled = sharded.generate(ids, attention_mask=mask, max_new_tokens=NEW, **SAMPLE)
+        sampled = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, **SAMPLE)
     return greedy, eos, sampled
 
 
 @functools.lru_cache(maxsize=None)
-def reference(kind: str):
+def reference(kind: str, kv_heads: int):
     """HF's outputs, and the eos used: the second token greedy generates for the first prompt."""
-    model = hf_model(kind)
+    model = build(kind, kv_heads)
     ids, mask = prompts()
     eos = int(model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)[0, -1])
-    return hf_runs(model, eos), eos
+    expected = runs(model, eos)
+    assert expected[1][0, -1] == 7 and eos in expected[1][0, 5:]  # eos, then padding
+    return expected, eos
 
 
-def real_hf(ctx, kind: str, eos: int):
+def cache_report(decoder: ShardedModule) -> tuple:
+    """(layouts of the caches, the bytes of every cache tensor this rank holds, its own
+    and the unsharded step's, distinct graphs of the step)."""
+    named = [*decoder._tensors.items(), *decoder.source.named_buffers()]
+    held = {id(t): t for k, t in named if "_cache_" in k and not t.is_meta}
+    graphs = {id(g) for g in decoder._graphs.values()}
+    return ({k: decoder.layouts[k] for k in decoder._tensors if "_cache_" in k},
+            sum(t.nbytes for t in held.values()), len(graphs))
+
+
+def check(kind: str, kv_heads: int, tp: int, got: list) -> None:
+    """Every rank generated HF's tokens, held its share of the cache, captured once."""
+    expected, _ = reference(kind, kv_heads)
+    step = decode_step(build(kind, kv_heads), 2, CACHE)
+    full = sum(t.nbytes for name, t in step.named_buffers() if "_cache_" in name)
+    heads = step.k_cache_0.shape[1]
+    for rank, (outs, layouts, local, graphs) in enumerate(got):
+        for e, g in zip(expected, outs):
+            assert torch.equal(e, g), (kind, rank, e, g)
+        if heads > 1:  # one K/V head is every rank's
+            assert all(isinstance(lay, Shard) and lay.dim == 1 for lay in layouts.values()), layouts
+        # each rank its own heads; a head shared by a group of ranks held once per rank
+        assert local == full // min(tp, heads), (kind, rank, local, full)
+        assert graphs == 1  # one capture: the prompt and each later single token
+
+
+def sim_generate(ctx, step, captured, eos):
+    """This rank's decode step, parallelized on its own (the model is not: the sharded
+    model's ``generate`` does the same with the model's shards, see the real test)."""
+    step = copy.deepcopy(step)
+    decoder = parallel_step(step, ctx.group, load_rules(), captured=copy.deepcopy(captured))
     ids, mask = prompts()
-    sharded = shardplan.parallelize(hf_model(kind), group=ctx.group,
-                                    example_inputs=example(ids, mask))
-    return hf_runs(sharded, eos)
+    kw = dict(attention_mask=mask, max_new_tokens=NEW, group=ctx.group, source=step.model,
+              step=decoder)
+    outs = (generate(step.model, ids, do_sample=False, **kw),
+            generate(step.model, ids, do_sample=False, eos_token_id=eos, pad_token_id=7, **kw),
+            generate(step.model, ids, generator=torch.Generator().manual_seed(3), **SAMPLE, **kw))
+    return outs, *cache_report(decoder)
+
+
+# GPT-2 runs on real ranks below and in test_kvcache's collective sizes
+CASES = [("llama", 2, 4), ("qwen2", 2, 2), ("mistral", 2, 2), ("opt", 4, 4), ("gemma", 1, 4)]
+
+
+@pytest.mark.parametrize("kind,kv_heads,tp", CASES, ids=[f"{k}-tp{t}" for k, _, t in CASES])
+def test_cached_generate_matches_hf_on_simulated_ranks(kind, kv_heads, tp):
+    step = decode_step(build(kind, kv_heads), 2, CACHE)
+    captured = capture(step, step.example(2), {})
+    _, eos = reference(kind, kv_heads)
+    got = SimulatedRanks(tp).run(sim_generate, step, captured, eos)
+    check(kind, kv_heads, tp, got)
+
+
+REAL = [("gpt2", 4), ("llama", 1)]
+
+
+def real_generate(ctx, eos: dict):
+    out = []
+    for kind, kv_heads in REAL:
+        sharded = shardplan.parallelize(build(kind, kv_heads), group=ctx.group,
+                                        example_inputs=example(*prompts()))
+        outs = runs(sharded, eos[kind])
+        out.append((outs, *cache_report(sharded.decoder(2, CACHE))))
+    return out
 
 
 @pytest.mark.real
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_hf_generate_on_real_ranks_matches_hf(real_ranks, kind):
-    expected, eos = reference(kind)
-    assert expected[1][0, -1] == 7  # eos ended the first sequence; the rest is padding
-    for rank, got in enumerate(real_ranks(2).run(real_hf, kind, eos)):
-        for e, g in zip(expected, got):
-            assert torch.equal(e, g), (rank, e, g)
+def test_cached_generate_matches_hf_on_real_ranks(real_ranks):
+    """One launch at tp=2: GPT-2 and Llama with one K/V head, parallelized as users do."""
+    eos = {kind: reference(kind, kv)[1] for kind, kv in REAL}
+    got = real_ranks(2).run(real_generate, eos)
+    for i, (kind, kv_heads) in enumerate(REAL):
+        check(kind, kv_heads, 2, [rank[i] for rank in got])
 
 
-def sim_hf(ctx, model, captured, eos):
-    ids, mask = prompts()
-    sharded = ShardedModule(copy.deepcopy(model), ctx.group, load_rules(),
-                            example=((), example(ids, mask)), gather_output=True, strict=False,
-                            captured=copy.deepcopy(captured))
-    return hf_runs(sharded, eos)
-
-
-def test_llama_generate_at_tp4_simulated_matches_hf():
-    model = hf_model("llama")
-    captured = capture(model, (), example(*prompts()))
-    expected, eos = reference("llama")
-    for rank, got in enumerate(SimulatedRanks(4).run(sim_hf, model, captured, eos)):
-        for e, g in zip(expected, got):
-            assert torch.equal(e, g), (rank, e, g)
-
-
-def sim_bundled(ctx, model, ids, captured):
-    sharded = ShardedModule(copy.deepcopy(model), ctx.group, load_rules(), example=((ids,), {}),
-                            gather_output=True, strict=False, captured=copy.deepcopy(captured))
-    with CommLedger() as ledger:
-        greedy = sharded.generate(ids, max_new_tokens=NEW)
-    # per token: the model's own collectives, and one broadcast of the batch's next ids
-    assert [r.elements for r in ledger.filter(kind="broadcast")] == [2] * NEW
-    sampled = sharded.generate(ids, max_new_tokens=NEW,
-                               generator=torch.Generator().manual_seed(3), **SAMPLE)
-    with pytest.raises(ConfigurationError, match="attention_mask"):
-        sharded.generate(ids, max_new_tokens=1, attention_mask=torch.tensor([[0, 1, 1]] * 2))
-    split = ShardedModule(copy.deepcopy(model), ctx.group, load_rules(), example=((ids,), {}),
-                          gather_output=False, strict=False, captured=copy.deepcopy(captured))
-    return greedy, sampled, split.generate(ids, max_new_tokens=NEW)  # logits gathered per step
-
-
-@pytest.mark.parametrize("preset,cfg", [("gpt-tiny", dict(vocab_size=97)), ("llama-tiny", {})])
-def test_bundled_generate_matches_unsharded(preset, cfg):
-    torch.manual_seed(0)
-    model = build(preset, **cfg).eval()
-    ids = torch.randint(0, 90, (2, 3), generator=torch.Generator().manual_seed(2))
-    greedy = generate(model, ids, max_new_tokens=NEW)
-    sampled = generate(model, ids, max_new_tokens=NEW,
-                       generator=torch.Generator().manual_seed(3), **SAMPLE)
-    assert greedy.shape == (2, 3 + NEW)
-    captured = capture(model, (ids,), {})
-    for got in SimulatedRanks(2).run(sim_bundled, model, ids, captured):
-        assert torch.equal(got[0], greedy) and torch.equal(got[1], sampled), (got, greedy, sampled)
-        assert torch.equal(got[2], greedy)
-
-
-def test_cli_generates_from_a_checkpoint(tmp_path, capsys):
+@pytest.mark.parametrize("preset", ["gpt-tiny", "llama-tiny"])  # llama: RoPE buffers unsaved
+def test_cli_generates_from_a_checkpoint(tmp_path, capsys, preset):
+    import safetensors.torch
     from shardplan import cli
+    from shardplan.models import build as build_preset
     torch.manual_seed(4)
-    model = build("gpt-tiny").eval()
+    model = build_preset(preset).eval()
     safetensors.torch.save_model(model, tmp_path / "model.safetensors")
     expected = generate(model, torch.tensor([[1, 2, 3]]), max_new_tokens=4)
-    assert cli.main(["generate", "gpt-tiny", "--tp", "2", "--prompt", "1, 2, 3",
+    assert cli.main(["generate", preset, "--tp", "2", "--prompt", "1, 2, 3",
                      "--max-new-tokens", "4", "--checkpoint", str(tmp_path)]) == 0
     assert capsys.readouterr().out.split() == [str(int(t)) for t in expected[0]]

@@ -14,11 +14,11 @@ import pytest
 import torch
 from torch import nn
 
-from shardplan.runtime import model_parallel_seed, set_rng_tracker
+from shardplan.runtime import CommLedger, model_parallel_seed, set_rng_tracker
 from test_layers import (assert_vocab_embedding_matches, check_column_parallel,
                          check_parallel_mlp, check_row_parallel, check_row_parallel_skip_g,
                          check_vocab_embedding, full_embedding, full_linear, reference)
-from runtime_helpers import assert_mlp_matches
+from runtime_helpers import assert_mlp_matches, comm
 from test_loss import check_vocab_cross_entropy, expected_ledger, make_case
 from test_loss import reference as ce_reference
 from test_mappings import _stack, check_forward_only, check_mapping, randn
@@ -109,12 +109,52 @@ def _eq(actual, expected):
     assert actual == expected
 
 
+def check_gathered_linears(ctx, shards, weights, biases, grads):
+    """Two linears of this rank's tokens (dim 1) that gather them themselves
+    (``linears_on_gathered_sequence(None, ...)``), backward ``sum(y_i * grads_i[rank])``:
+    (outputs, the shard's gradient, weight and bias gradients, ledger)."""
+    from shardplan.runtime.mappings import linears_on_gathered_sequence
+    shard = shards[ctx.rank].clone().requires_grad_()
+    ws = [w.clone().requires_grad_() for w in weights]
+    bs = [b.clone().requires_grad_() for b in biases]
+    with CommLedger() as led:
+        ys = linears_on_gathered_sequence(None, shard, [t for wb in zip(ws, bs) for t in wb],
+                                          ctx.group, dim=1)
+        sum((y * g[ctx.rank]).sum() for y, g in zip(ys, grads)).backward()
+    return ([y.detach() for y in ys], shard.grad, [w.grad for w in ws], [b.grad for b in bs],
+            comm(led))
+
+
+def _assert_gathered_linears(tp, per_rank, shards, weights, biases, grads):
+    """Against the sums written out: x the gathered tokens, y_i = x W_i^T + b_i; the
+    shard's gradient is this rank's tokens of the ranks' summed input gradients; the
+    weights' gradients use the whole x (the backward re-gather); one all-gather forward,
+    a reduce-scatter and an all-gather backward (gloo sends those two in one call)."""
+    x = torch.cat(list(shards), 1)
+    grad_x = sum(g.matmul(w) for g, w in zip(grads, weights)).sum(0)  # every rank's, summed
+    for r, (ys, dshard, dws, dbs, records) in enumerate(per_rank):
+        for y, w, b in zip(ys, weights, biases):
+            close(y, x.matmul(w.t()) + b)
+        close(dshard, grad_x.chunk(tp, 1)[r])
+        for dw, db, g in zip(dws, dbs, grads):
+            close(dw, g[r].reshape(-1, g.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1])))
+            close(db, g[r].reshape(-1, g.shape[-1]).sum(0))
+        n = x.numel()
+        assert records == [("all_gather", "forward", n), ("reduce_scatter", "backward", n),
+                           ("all_gather", "backward", n)]
+
+
 @TP
 def test_mappings_match_unsharded_math(real_ranks, tp):
     cases = mapping_cases(tp)
     calls = [(check_mapping, (x, w, name)) for name, x, w, _ in cases]
+    gen = torch.Generator().manual_seed(7)
+    linears = (randn(gen, tp, B, S, H), [randn(gen, n, H) for n in (4, 6)],
+               [randn(gen, n) for n in (4, 6)], [randn(gen, tp, B, S * tp, n) for n in (4, 6)])
+    calls.append((check_gathered_linears, linears))
     calls.append((check_forward_only, (torch.ones(3, 4),)))
-    *results, forward_only = run_batch(real_ranks(tp), calls)
+    *results, gathered, forward_only = run_batch(real_ranks(tp), calls)
+    _assert_gathered_linears(tp, gathered, *linears)
     for (name, _, _, expect), per_rank in zip(cases, results):
         for rank, (y, dx, records) in enumerate(per_rank):
             try:

@@ -31,6 +31,7 @@ under the original model's names (a tied tensor stored once, as safetensors'
     load_full_state_dict(sharded, "model.safetensors") # each rank reads only its slices
     load_full_state_dict(sharded, "hf_folder/")        # or several files via their index
     sharded = load_pretrained("hf_folder/")            # HF config + weights -> sharded model
+    with parameters_on_meta(): model = MyModel()       # to parallelize, then load into
 
 Every function except ``reshard`` is collective: call it on every rank.
 
@@ -38,11 +39,12 @@ One concern per module: ``files`` (safetensors IO), ``atomic`` (directories
 replaced atomically, the index), ``agreement`` (failing on every rank
 together), ``entries`` (the module's tensors with their specs), ``optimizer``,
 ``sharded`` (save/load per rank), ``resharding`` (offline, another tp),
-``full`` (full state dicts), ``sources`` (one or many full-checkpoint files)
-and ``pretrained`` (an HF folder in one call).
+``full`` (full state dicts), ``sources`` (one or many full-checkpoint files),
+``empty`` (models built to be loaded) and ``pretrained`` (an HF folder in one call).
 """
 
 from .dcp import load_dcp, save_dcp
+from .empty import parameters_on_meta
 from .full import gather_full_state_dict, load_full_state_dict, save_full
 from .pretrained import load_pretrained
 from .index import FORMAT, INDEX, VERSION, rank_file
@@ -51,4 +53,4 @@ from .sharded import load_sharded, save_sharded
 
 __all__ = ["save_dcp", "load_dcp", "save_sharded", "load_sharded", "reshard",
            "gather_full_state_dict", "save_full", "load_full_state_dict", "load_pretrained",
-           "rank_file", "FORMAT", "VERSION", "INDEX"]
+           "parameters_on_meta", "rank_file", "FORMAT", "VERSION", "INDEX"]

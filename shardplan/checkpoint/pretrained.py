@@ -5,19 +5,20 @@ from __future__ import annotations
 import torch
 
 from ..errors import CheckpointError
+from .empty import parameters_on_meta
 from .full import load_full_state_dict
 
 
 def load_pretrained(path, *, group=None, weights=None, example_inputs=None):
     """The ``save_pretrained`` model at ``path`` (config.json + weights), parallelized.
 
-    Built on meta from the config, parallelized over ``group`` (default: the
+    Built from the config with its parameters on meta (buffers the checkpoint
+    does not hold, such as Llama's rotary ``inv_freq``, are computed as the
+    constructor computes them), parallelized over ``group`` (default: the
     world), then each rank loads only its slices of ``weights`` (default
     ``path``: one file or an index of several). Collective; returns the
     ``ShardedModule`` in eval mode. ``example_inputs`` (default a (2, 4) batch of
-    ``input_ids``): the call signature to capture first. Models whose buffers
-    are not saved (``persistent=False``, e.g. Llama's rotary tables) are not
-    covered yet: calling them raises that those tensors were never loaded.
+    ``input_ids``): the call signature to capture first.
     """
     import transformers
     from ..api import parallelize
@@ -26,7 +27,7 @@ def load_pretrained(path, *, group=None, weights=None, example_inputs=None):
     except (OSError, ValueError) as e:
         raise CheckpointError(f"no Hugging Face config in {path}: {e}", where=str(path),
                               fix="pass a folder written by save_pretrained") from None
-    with torch.device("meta"):
+    with parameters_on_meta():
         model = transformers.AutoModelForCausalLM.from_config(config)
     model.eval()
     example = example_inputs or {"input_ids": torch.zeros(2, 4, dtype=torch.long)}

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.fx as fx
 
+from .blocks import split_first
 from .capture import GUARDS, module_of, source_of
 from ..errors import ConfigurationError, DivisibilityError, LayoutError
 from ..layouts import Partial, Replicate, Shard
@@ -68,6 +69,9 @@ class Annotation:
     scattered: dict = field(default_factory=dict)
     gathered: dict = field(default_factory=dict)
     seq_dims: dict = field(default_factory=dict)
+    # a partial result with no sequence dim of its own (HF Conv1D's flattened batch x
+    # sequence) -> the view of it that has one, where it is reduce-scattered instead
+    deferred: dict = field(default_factory=dict)
 
     def read(self, node: fx.Node, consumer: fx.Node | None = None, path=None):
         """The layout ``consumer`` reads of ``node`` (after its g, scatter or gather)."""
@@ -151,6 +155,7 @@ class _Pass:
         self.seq_dims = seq_dims  # empty unless sequence parallel
         self.scattered: dict = {}
         self.gathered: dict = {}
+        self.deferred: dict = {}
         self.layouts: dict = {}
         self.origins: dict = {}  # node -> frozenset of opener nodes its layout derives from
         self.outcomes: dict = {}
@@ -165,7 +170,7 @@ class _Pass:
         ann = Annotation(self.gm, self.tp, self.layouts, self.outcomes,
                          {t: lay for t, (lay, _) in self.param_layouts.items()},
                          self.grad, {}, [], self.rules, [],
-                         self.scattered, self.gathered, self.seq_dims)
+                         self.scattered, self.gathered, self.seq_dims, self.deferred)
         return ann, self.conflicts
 
     # ----------------------------------------------------------------- per node
@@ -184,7 +189,7 @@ class _Pass:
         self.grad[node] = any(self.grad.get(a, False) for _, a in ins) and floating(node)
         origins = frozenset().union(*[self.origins.get(a, frozenset()) for _, a in ins]) \
             if ins else frozenset()
-        outcome = self._rule(node, ins)
+        outcome = self._unflattened(node, ins) or self._rule(node, ins)
         if outcome.conflict:
             outcome.conflict.origins = outcome.conflict.origins or origins
             self.conflicts.append(outcome.conflict)
@@ -218,6 +223,33 @@ class _Pass:
     def _read(self, a: fx.Node):
         return self.scattered.get(a) or read_as(self.layouts.get(a, R))
 
+    def _unflattened(self, node: fx.Node, ins) -> Outcome | None:
+        """A view giving the sequence back its own dim, of a partial result that had none
+        (HF Conv1D: ``view(addmm(b, x.view(-1, h), W), [B, T, h])``): the view stays
+        partial (it is linear), so the sum is reduce-scattered after it, onto the tokens."""
+        if not self.seq_dims or len(self.seq_dims.get(node, ())) != 1 or not ins \
+                or self.rules.kind(op_name(node)) != "reshape":
+            return None
+        a = node.args[0]
+        if not isinstance(self.layouts.get(a), Partial) or a in self.seq_dims \
+                or len(a.users) != 1:
+            return None
+        self.deferred[a] = node
+        return Outcome(Partial(), rule="view of a partial sum, reduce-scattered after it")
+
+    def _feeds_openers(self, node: fx.Node) -> bool:
+        """Is ``node`` a reshape read only as the input of region openers (HF Conv1D's
+        ``x.view(-1, h)`` before its ``addmm``)? Gathered before it, the ranks' tokens then
+        enter the region as they do a linear."""
+        if self.rules.kind(op_name(node)) != "reshape" or not node.users:
+            return False
+        for user in node.users:
+            spec = self.openers.get(op_name(user)) if user.op == "call_function" else None
+            if spec is None or user in self.disabled or \
+                    (len(user.args) > spec.weight and user.args[spec.weight] is node):
+                return False
+        return True
+
     def _rule(self, node: fx.Node, ins) -> Outcome:
         """The rule's outcome; in sequence parallel, operands held on tokens are gathered
         where a region opens on them or where the op cannot run on tokens alone."""
@@ -227,7 +259,8 @@ class _Pass:
         if not tokens:
             return self._rule_on(node, lays)
         whole = {p: R if p in tokens else lay for p, lay in lays.items()}
-        opens = op_name(node) in self.openers and node not in self.disabled
+        opens = (op_name(node) in self.openers and node not in self.disabled) \
+            or self._feeds_openers(node)
         outcome = None if opens else self._rule_on(node, lays)
         if outcome is None or outcome.conflict:
             outcome = self._rule_on(node, whole)
@@ -464,7 +497,7 @@ def _sequence_fallbacks(ann: Annotation) -> list[str]:
             "tokens are not contiguous in a flattened batch x sequence dim)"
             for n, o in ann.outcomes.items()
             if o.role in (Role.ROW, Role.PARTIAL) and isinstance(o.out, Partial)
-            and n not in ann.seq_dims]
+            and n not in ann.seq_dims and n not in ann.deferred]
 
 
 def _keeps_shard(node: fx.Node, path) -> bool:
@@ -486,8 +519,8 @@ def _transitions(ann: Annotation) -> list[Transition]:
     made: dict = {}  # (src, purpose) -> index in out, for transitions shared by consumers
     vocab_loss = ann.rules.strategy.vocab_loss
 
-    def shared(purpose, src, edge, **fields):
-        key = (src, purpose)
+    def shared(purpose, src, edge, key=(), **fields):
+        key = (src, purpose, *key)
         if key in made:
             t = out[made[key]]
             out[made[key]] = _with_consumer(t, edge)
@@ -500,7 +533,7 @@ def _transitions(ann: Annotation) -> list[Transition]:
         entering = any_sharded(o.out)
         grad_sum = Purpose.SEQ_GRAD if ann.on_tokens(node, o.out) else Purpose.F
         for path, a in operands(node):
-            if path == o.bias:
+            if path == o.bias or ann.deferred.get(a) is node:  # the partial sum it views
                 continue
             if (node, path) in ann.gathered:
                 lay, purpose = ann.gathered[(node, path)]
@@ -509,12 +542,12 @@ def _transitions(ann: Annotation) -> list[Transition]:
                 shared(purpose, a, (node, path), before=lay, after=R,
                        forward=Collective.ALL_GATHER, backward=back)
                 if purpose is Purpose.SEQ_GATHER and _keeps_shard(node, path):
-                    out.append(Transition(Purpose.SEQ_REGATHER, a, ((node, path),), lay, R,
-                                          Collective.NONE, Collective.ALL_GATHER,
-                                          (message(a),), dtype_of(a)))
+                    shared(Purpose.SEQ_REGATHER, a, (node, path), key=_block(module_of(node)),
+                           before=lay, after=R, forward=Collective.NONE,
+                           backward=Collective.ALL_GATHER)
                 continue
             need, have = o.needs.get(path, R), ann.read(a)
-            if not isinstance(have, Replicate):
+            if not isinstance(have, Replicate) or _gathered_for_region(ann, a):
                 continue
             if isinstance(need, Shard) and a.op == "get_attr":  # sliced when bound
                 if need.replicas > 1 and ann.requires_grad.get(a):
@@ -542,14 +575,17 @@ def _transitions(ann: Annotation) -> list[Transition]:
             out.append(Transition(Purpose.SEQ_SCATTER, node, tuple((u, None) for u in node.users),
                                   Partial(), ann.scattered[node], Collective.REDUCE_SCATTER,
                                   Collective.ALL_GATHER, (message(node),), dtype_of(node)))
-            bias = operand(node, o.bias) if o.bias is not None else None
+            owner = next((p for p, v in ann.deferred.items() if v is node), node)
+            path = ann.outcomes[owner].bias
+            bias = operand(owner, path) if path is not None else None
             if bias is not None and ann.requires_grad.get(bias):  # added per token after it
-                shared(Purpose.SEQ_GRAD, bias, (node, o.bias), before=R, after=R,
+                shared(Purpose.SEQ_GRAD, bias, (owner, path), before=R, after=R,
                        forward=Collective.NONE, backward=Collective.ALL_REDUCE)
-        elif isinstance(o.out, Partial):
+        elif isinstance(o.out, Partial) and node not in ann.deferred:
             out.append(Transition(Purpose.G, node, tuple((u, None) for u in node.users),
                                   Partial(), R, Collective.ALL_REDUCE, Collective.NONE,
                                   (message(node),), dtype_of(node)))
+    out = _bucket_grad_sums(out)
     output = next(n for n in ann.gm.graph.nodes if n.op == "output")
     for a in output.all_input_nodes:
         lay = ann.read(a)
@@ -558,6 +594,44 @@ def _transitions(ann: Annotation) -> list[Transition]:
                                   Collective.ALL_GATHER, Collective.LOCAL_SLICE,
                                   (message(a),), dtype_of(a)))
     return out
+
+
+def _gathered_for_region(ann: Annotation, node: fx.Node) -> bool:
+    """Was ``node`` made from the ranks' tokens gathered to enter a region (a reshape
+    feeding openers)? Its gather's backward reduce-scatter sums the gradient: no f."""
+    return any(ann.gathered.get((node, p), (None, None))[1] is Purpose.SEQ_GATHER
+               for p, _ in operands(node))
+
+
+def _bucket_grad_sums(ts: list[Transition]) -> list[Transition]:
+    """The ``SEQ_GRAD``s of parameters of one block (and dtype), read only inside it, as
+    one ``SEQ_GRAD_BUCKET`` where the first of them was: one all-reduce instead of one
+    per norm weight, norm bias and row bias. A block's bucket stays in the block, so
+    recomputation and FSDP see it there."""
+    groups: dict = {}
+    for i, t in enumerate(ts):
+        if t.purpose is Purpose.SEQ_GRAD and t.src.op == "get_attr":
+            block = _block(t.src.target)
+            if all(_block(module_of(c)) == block for c, _ in t.consumers):
+                groups.setdefault((block, t.dtype), []).append(i)
+    first, dropped = {}, set()
+    for idx in groups.values():
+        if len(idx) < 2:
+            continue
+        members = [ts[i] for i in idx]
+        first[idx[0]] = Transition(
+            Purpose.SEQ_GRAD_BUCKET, members[0].src, sum((m.consumers for m in members), ()),
+            R, R, Collective.NONE, Collective.ALL_REDUCE,
+            messages=((sum(m.elements[0] for m in members),),), dtype=members[0].dtype,
+            sources=tuple(m.src for m in members))
+        dropped.update(idx[1:])
+    return [first.get(i, t) for i, t in enumerate(ts) if i not in dropped]
+
+
+def _block(name: str) -> tuple:
+    """(list path, index) of the outermost block ``name`` lies in; () outside blocks."""
+    found = split_first(name or "")
+    return found[:2] if found else ()
 
 
 def _with_consumer(t: Transition, edge) -> Transition:

@@ -61,7 +61,8 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     args, kwargs = tuple(args), dict(kwargs or {})
     check_inputs(model, args, kwargs)
     args, kwargs = _unaliased(args, kwargs)
-    with PLANNING_LOCK, _truncated(model) if truncate else contextlib.nullcontext({}) as cut:
+    with PLANNING_LOCK, _buffers_on_meta(model), \
+            _truncated(model) if truncate else contextlib.nullcontext({}) as cut:
         try:
             gm = _export(model, args, kwargs)
         except CaptureError:
@@ -196,6 +197,24 @@ def _aliases(model: nn.Module) -> dict[str, str]:
         for name, t in kind(remove_duplicate=False):
             out[name] = first.setdefault(id(t), name)
     return out
+
+
+@contextlib.contextmanager
+def _buffers_on_meta(model: nn.Module):
+    """A model whose parameters wait on meta for a checkpoint keeps real buffers (RoPE
+    tables it does not save); capture, on meta inputs, sees meta copies of them."""
+    if not any(p.is_meta for p in model.parameters()):
+        yield
+        return
+    saved = [(mod, name, b) for mod in model.modules() for name, b in mod._buffers.items()
+             if b is not None and not b.is_meta]
+    try:
+        for mod, name, b in saved:
+            mod._buffers[name] = b.to("meta")
+        yield
+    finally:
+        for mod, name, b in saved:
+            mod._buffers[name] = b
 
 
 @contextlib.contextmanager

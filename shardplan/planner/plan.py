@@ -265,6 +265,9 @@ def _decisions(ann: Annotation) -> list[Decision]:
             rule = f"runs on this rank's tokens (sequence parallel): {rule}"
         elif node in ann.scattered:
             rule = f"{rule}; reduce-scattered onto the ranks' tokens: S(seq)"
+        elif node in ann.deferred:
+            rule = (f"{rule}; reduce-scattered onto the ranks' tokens after its view "
+                    f"{ann.deferred[node].name}: S(seq)")
         elif ann.seq_dims and role in (Role.ROW, Role.PARTIAL) and node not in ann.seq_dims:
             rule = (f"{rule}; all-reduced, then sliced onto the ranks' tokens (no dim of its "
                     "own is the sequence: sequence-parallel fallback)")
@@ -279,6 +282,10 @@ def _collectives(transitions: list[Transition], tokens: int) -> list[CollectiveE
     out = []
     for t in transitions:
         size = torch.empty((), dtype=t.dtype).element_size()
+        # a parameter's per-token gradient sum belongs to the block reading it (a get_attr
+        # has no module), so blocks planned once stamp it onto every block
+        at = t.consumers[0][0] if t.purpose in (Purpose.SEQ_GRAD, Purpose.SEQ_GRAD_BUCKET) \
+            and t.src.op == "get_attr" else t.src
         # a sequence scatter or gather communicates both ways: one entry per side
         for direction, coll in (("forward", t.forward), ("backward", t.backward)):
             if not coll.communicates:
@@ -287,8 +294,8 @@ def _collectives(transitions: list[Transition], tokens: int) -> list[CollectiveE
                 out.append(CollectiveEntry(
                     kind=coll.c10d, direction=direction, purpose=t.purpose,
                     elements=elements, elements_per_token=elements / max(tokens, 1),
-                    bytes=elements * size, node=t.src.name, module=module_of(t.src),
-                    source=source_of(t.src)))
+                    bytes=elements * size, node=t.src.name, module=module_of(at),
+                    source=source_of(at)))
     return out
 
 

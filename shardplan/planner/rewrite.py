@@ -27,9 +27,9 @@ from .transitions import Purpose, Transition
 from ..layouts import Shard
 from ..runtime.comm import Group
 from ..runtime.graph_ops import (CopyToRegion, GatherSequence, GatherShard,
-                                LinearOnGatheredSequence, LocalShard, ModelParallelRNG,
-                                ReduceFromRegion, ScatterToSequence, SumOverReplicas,
-                                VocabCrossEntropy, VocabLookup)
+                                LinearsOnGatheredSequence, LocalShard, ModelParallelRNG,
+                                ReduceFromRegion, ScatterToSequence, SumGradients,
+                                SumOverReplicas, VocabCrossEntropy, VocabLookup)
 
 aten = torch.ops.aten
 
@@ -68,6 +68,8 @@ class _Rewriter:
         self.at_edge: dict = {}  # (consumer, path) -> [Transition]
         self.after: dict = {}  # annotated node -> its G (or sequence scatter) transition
         self.gathers: list[Transition] = []
+        self.bias: dict = {}  # annotated view -> the bias of the partial result it views
+        self.fused: set = set()  # annotated linears run by the first linear sharing their input
         for t in ann.transitions:
             if t.purpose in (Purpose.G, Purpose.SEQ_SCATTER):
                 self.after[t.src] = t
@@ -97,19 +99,12 @@ class _Rewriter:
             out = self.ann.outcomes.get(orig)
             if out is None:
                 continue
-            node, regather = self.env[orig], None
-            for path, a in operands(orig):
-                ts = self.at_edge.get((orig, path))
-                if ts:
-                    new = self._value(a)
-                    for t in ts:
-                        if t.purpose is Purpose.SEQ_REGATHER:
-                            regather = (t, self._value(a))
-                        else:
-                            new = self._execute(t, new, node)
-                    replace_operand(node, path, new)
+            if orig in self.fused:  # already run by the linears sharing its re-gather
+                continue
+            node = self.env[orig]
+            regather = self._operands(orig, node)
             if regather is not None:
-                node = self.env[orig] = self._keep_shard(node, *regather)
+                node = self._keep_shard(orig, node, *regather)
             self._rewrite_sizes(orig, node)
             self._stride_safe(orig, node, out)
             node = self._model_parallel_rng(orig, node, out)
@@ -117,13 +112,35 @@ class _Rewriter:
                 node = self.env[orig] = self._vocab_embedding(node, out)
             elif out.role is Role.VOCAB_LOSS:
                 node = self._vocab_loss(orig, node)
+            if orig in self.ann.deferred and out.bias is not None:  # added after the scatter
+                node, self.bias[self.ann.deferred[orig]] = self._strip_bias(orig, node, out)
             if orig in self.after:
                 self._reduce(orig, node, out, self.after[orig])
 
     # ----------------------------------------------------------------- transitions
 
-    def _execute(self, t: Transition, value: fx.Node, consumer: fx.Node) -> fx.Node:
-        """The node that gives ``consumer`` the value ``t`` turns ``value`` into."""
+    def _operands(self, orig: fx.Node, node: fx.Node):
+        """Execute the transitions on ``orig``'s operands at ``node``; a re-gather is
+        returned, as ``(transition, this rank's shard)``, for ``_keep_shard``."""
+        regather = None
+        for path, a in operands(orig):
+            ts = self.at_edge.get((orig, path))
+            if ts:
+                new = self._value(a)
+                for t in ts:
+                    if t.purpose is Purpose.SEQ_REGATHER:
+                        regather = (t, self._value(a))
+                    else:
+                        new = self._execute(t, new, node, a)
+                replace_operand(node, path, new)
+        return regather
+
+    def _execute(self, t: Transition, value: fx.Node, consumer: fx.Node,
+                 src: fx.Node) -> fx.Node:
+        """The node that gives ``consumer`` the value ``t`` turns ``value`` (of annotated
+        node ``src``) into."""
+        if t.purpose is Purpose.SEQ_GRAD_BUCKET:
+            return self._bucket(t, consumer)[src]
         if t.purpose is Purpose.SPLIT:
             with self.graph.inserting_before(consumer):
                 return self.graph.call_module(
@@ -149,22 +166,30 @@ class _Rewriter:
                 self.shared[key] = self.graph.call_module(mod, (value,))
         return self.shared[key]
 
+    def _bucket(self, t: Transition, consumer: fx.Node) -> dict:
+        """The ``SumGradients`` node of bucket ``t``, placed before its first consumer (in
+        that consumer's module, so it stays in the block): annotated source -> its output."""
+        key = (t.src, t.purpose)
+        if key not in self.shared:
+            values = [self._value(s) for s in t.sources]
+            for v in values:  # a parameter read first after the consumer: read it before
+                if v.op == "get_attr" and consumer < v:
+                    consumer.prepend(v)
+            mod = self._module("seq_grad_bucket", SumGradients(self.group, self._site(t.src)))
+            with self.graph.inserting_before(consumer):
+                node = self.graph.call_module(mod, tuple(values))
+                outs = [self.graph.call_function(operator.getitem, (node, i))
+                        for i in range(len(values))]
+            _in_module_of(node, consumer)
+            self.shared[key] = dict(zip(t.sources, outs))
+        return self.shared[key]
+
     def _reduce(self, orig: fx.Node, node: fx.Node, out, t: Transition) -> None:
         """g (or the sequence scatter) after a partial result; a bias operand is added
         once, after it."""
         users = list(node.users)
-        bias = None
-        if out.bias is not None:
-            bias = operand(node, out.bias)
-            if op_name(node) == "aten.addmm.default":  # mm now, the bias after g
-                with self.graph.inserting_before(node):
-                    mm = self.graph.call_function(aten.mm.default, (node.args[1], node.args[2]))
-                mm.meta = dict(node.meta)
-                node.replace_all_uses_with(mm)
-                self.graph.erase_node(node)
-                node = self.env[orig] = mm
-            else:
-                replace_operand(node, out.bias, None)
+        node, bias = self._strip_bias(orig, node, out)
+        bias = self.bias.get(orig, bias)
         if t.purpose is Purpose.SEQ_SCATTER:
             mod = self._module("seq_scatter",
                                ScatterToSequence(self.group, t.after.dim, self._site(node)))
@@ -181,15 +206,52 @@ class _Rewriter:
             if u is not node:
                 u.replace_input_with(node, last)
 
-    def _keep_shard(self, node: fx.Node, t: Transition, shard: fx.Node) -> fx.Node:
-        """The linear ``node`` of a gathered sequence, keeping ``shard`` for backward."""
-        args = args_of(node)
-        mod = self._module("seq_linear", LinearOnGatheredSequence(
+    def _strip_bias(self, orig: fx.Node, node: fx.Node, out) -> tuple[fx.Node, fx.Node | None]:
+        """``node`` without its bias operand (an addmm becomes an mm), and the bias."""
+        if out.bias is None:
+            return node, None
+        bias = operand(node, out.bias)
+        if op_name(node) == "aten.addmm.default":
+            with self.graph.inserting_before(node):
+                mm = self.graph.call_function(aten.mm.default, (node.args[1], node.args[2]))
+            node = self.env[orig] = self._replace(node, mm)
+        else:
+            replace_operand(node, out.bias, None)
+        return node, bias
+
+    def _keep_shard(self, orig: fx.Node, node: fx.Node, t: Transition,
+                    shard: fx.Node) -> fx.Node:
+        """The linears of one gathered sequence (``t``'s consumers, ``orig`` the first in
+        graph order) as one node keeping ``shard`` for backward: the node of ``orig``."""
+        linears = [c for c, _ in t.consumers]
+        weights = []
+        for c in linears:
+            if c is not orig:  # its weight's own transitions (a replica sum) first
+                self._operands(c, self.env[c])
+            args = args_of(self.env[c])
+            weights += [args["weight"], args.get("bias")]
+        for v in weights:  # a later linear's parameters, read before the first
+            if v is not None and v.op == "get_attr" and node < v:
+                node.prepend(v)
+        mod = self._module("seq_linear", LinearsOnGatheredSequence(
             self.group, t.before.dim, self._site(t.src)))
         with self.graph.inserting_before(node):
-            new = self.graph.call_module(mod, (args["input"], shard, args["weight"],
-                                               args.get("bias")))
-        return self._replace(node, new)
+            fused = self.graph.call_module(mod, (args_of(node)["input"], shard, *weights))
+            outs = [self.graph.call_function(operator.getitem, (fused, i))
+                    for i in range(len(linears))]
+        _in_module_of(fused, node)
+        for c, out in zip(linears, outs):
+            self.env[c] = self._replace(self.env[c], out)
+            self.fused.add(c)
+        self.fused.discard(orig)
+        gather = next((g for g in self.at_edge.get((orig, (0,)), ())
+                       if g.purpose is Purpose.SEQ_GATHER), None)
+        if gather is not None and {c for c, _ in gather.consumers} == set(linears):
+            gathered = fused.args[0]  # read by these linears alone: they gather it themselves
+            fused.args = (None, *fused.args[1:])
+            self.graph.erase_node(gathered)
+            self.gm.delete_submodule(gathered.target)
+        return self.env[orig]
 
     def gather_outputs(self) -> None:
         out = next(n for n in self.graph.nodes if n.op == "output")
@@ -285,6 +347,13 @@ class _Rewriter:
             node.target, node.args, node.kwargs = aten.reshape.default, (node.args[0], size), {}
 
 
+def _in_module_of(node: fx.Node, like: fx.Node) -> None:
+    """``node`` (inserted by the rewriter) belongs to ``like``'s module, so block
+    outlining (recomputation, FSDP) keeps it in ``like``'s block."""
+    if "nn_module_stack" in like.meta:
+        node.meta["nn_module_stack"] = like.meta["nn_module_stack"]
+
+
 def _written_in_place(node: fx.Node) -> bool:
     """Is ``node``'s tensor written in place later, directly or through a view (a
     ``new_empty`` filled by ``copy_`` into slices)? A transition then reads it at
@@ -305,11 +374,16 @@ _VIEWS = {"aten.view.default": "size", "aten._unsafe_view.default": "size"}
 
 
 def _retarget_devices(graph: fx.Graph, device: torch.device) -> None:
-    """Factory ops captured on meta create their tensors on ``device`` instead."""
+    """Ops captured on meta create (factories) or move (``to.device``, a real buffer
+    of a meta-built model) their tensors to ``device`` instead."""
+    if device.type == "meta":
+        return
+
+    def retarget(a):
+        return device if isinstance(a, torch.device) and a.type == "meta" else a
     for node in graph.nodes:
-        d = node.kwargs.get("device")
-        if isinstance(d, torch.device) and d.type == "meta" and device.type != "meta":
-            node.kwargs = {**node.kwargs, "device": device}
+        node.args = tuple(retarget(a) for a in node.args)
+        node.kwargs = {k: retarget(v) for k, v in node.kwargs.items()}
 
 
 def gather_params(gm: fx.GraphModule, layouts: dict, group: Group) -> None:

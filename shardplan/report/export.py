@@ -241,7 +241,8 @@ def _check_module_type(model, m: _Module, issues: list) -> None:
 # sequence-parallel collectives the DTensor styles spell: the embedding's / a row layer's
 # reduce-scatter (output_layouts=Shard(1)), a column layer's all-gather of its tokens
 # (input_layouts=Shard(1)) with its backward re-gather, the replicated norm weights' grad all-reduce
-_SP_SPELLED = {"seq_scatter", "seq_gather", "seq_regather", "seq_grad"}
+# (one per weight in DTensor, one per block in shardplan's bucket)
+_SP_SPELLED = {"seq_scatter", "seq_gather", "seq_regather", "seq_grad", "seq_grad_bucket"}
 
 
 def _in_model_code(model, path: str) -> bool:

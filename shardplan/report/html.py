@@ -295,6 +295,8 @@ _PURPOSE = {
     "seq_unshard": ("gather·seq", "all-gather of the ranks' tokens for an op that needs the whole "
                                   "sequence (fallback)"),
     "seq_grad": ("grad·seq", "sum over ranks of the gradient of a replicated tensor read per token"),
+    "seq_grad_bucket": ("grad·seq·bucket", "one flat all-reduce summing a block's per-token "
+                                           "parameters' gradients (norms, row biases)"),
 }
 
 

@@ -74,6 +74,21 @@ class Group:
             return t.clone()
         return self._reduce_scatter(t.contiguous(), dim)
 
+    def reduce_scatter_all_gather(self, t: torch.Tensor, part: torch.Tensor, dim: int, *,
+                                  direction: str = "none", site: str | None = None):
+        """``(reduce_scatter(t, dim), all_gather(part, dim))`` as one exchange where the
+        backend allows (gloo: one all-to-all carrying both): two collectives, one call."""
+        dim = dim % t.dim()
+        if torch.compiler.is_dynamo_compiling() or self.size == 1:
+            return (self.reduce_scatter(t, dim, direction=direction, site=site),
+                    self.all_gather(part, dim, direction=direction, site=site))
+        self._log("reduce_scatter", t.numel(), t.element_size(), direction, site)
+        self._log("all_gather", part.numel() * self.size, part.element_size(), direction, site)
+        return self._reduce_scatter_all_gather(t.contiguous(), part.contiguous(), dim)
+
+    def _reduce_scatter_all_gather(self, t, part, dim):
+        return self._reduce_scatter(t, dim), self._all_gather(part, dim)
+
     def broadcast(self, t: torch.Tensor, src: int = 0, *, site: str | None = None) -> torch.Tensor:
         """Rank ``src``'s tensor, on every rank."""
         self._log("broadcast", t.numel(), t.element_size(), "none", site)
@@ -178,15 +193,37 @@ class TorchGroup(Group):
         return out
 
     def _all_gather(self, t, dim):
-        parts = [torch.empty_like(t) for _ in range(self.size)]
-        self._checked(dist.all_gather, parts, t, group=self.pg)
-        return torch.cat(parts, dim)
+        # one flat buffer, every rank's part stacked in front: a list all-gather and a
+        # cat cost gloo 2-3x more (docs/benchmarks.md, "Sequence parallelism")
+        out = t.new_empty(self.size * t.numel())
+        self._checked(dist.all_gather_into_tensor, out, t.reshape(-1), group=self.pg)
+        return _unstack(out.view(self.size, *t.shape), dim)
 
     def _reduce_scatter(self, t, dim):
-        parts = [p.contiguous() for p in t.chunk(self.size, dim)]
-        out = torch.empty_like(parts[0])
-        self._checked(dist.reduce_scatter, out, parts, group=self.pg)
-        return out
+        parts = _stack(t, self.size, dim)  # [size, part]: rank r's part at r
+        if self.device.type == "cuda":
+            out = parts.new_empty(parts.shape[1:])
+            self._checked(dist.reduce_scatter_tensor, out, parts, group=self.pg)
+            return out
+        # gloo reduces a reduce-scatter over the whole tensor, as an all-reduce costs;
+        # an all-to-all sends each rank only its part of every peer's tensor, summed here
+        got = torch.empty_like(parts)
+        self._checked(dist.all_to_all_single, got, parts, group=self.pg)
+        return got.sum(0)
+
+    def _reduce_scatter_all_gather(self, t, part, dim):
+        if self.device.type == "cuda":
+            return super()._reduce_scatter_all_gather(t, part, dim)
+        # to each rank its part of t and our part, in one all-to-all
+        parts = _stack(t, self.size, dim).flatten(1)
+        n = parts.shape[1]
+        send = torch.cat([parts, part.reshape(1, -1).expand(self.size, -1)], 1)
+        got = torch.empty_like(send)
+        self._checked(dist.all_to_all_single, got, send, group=self.pg)
+        shape = list(t.shape)
+        shape[dim] //= self.size
+        summed = got[:, :n].sum(0).view(shape)
+        return summed, _unstack(got[:, n:].reshape(self.size, *part.shape), dim)
 
     def _broadcast(self, t, src):
         out = t.clone()
@@ -228,6 +265,20 @@ class TorchGroup(Group):
             return pg._get_backend(self.device).options._timeout.total_seconds()
         except (AttributeError, RuntimeError):  # a backend without options: say no number
             return None
+
+
+def _stack(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+    """``t`` cut into ``n`` parts along ``dim``, stacked on a new dim 0 (contiguous)."""
+    shape = (*t.shape[:dim], n, t.shape[dim] // n, *t.shape[dim + 1:])
+    return t.reshape(shape).movedim(dim, 0).contiguous()
+
+
+def _unstack(parts: torch.Tensor, dim: int) -> torch.Tensor:
+    """The inverse of ``_stack``: ``[n, ...]`` parts concatenated along ``dim``."""
+    if dim == 0:
+        return parts.flatten(0, 1)
+    shape = parts.shape[1:]
+    return parts.movedim(0, dim).reshape(*shape[:dim], -1, *shape[dim + 1:])
 
 
 _SAME_SHAPES = ("every rank of a tensor-parallel group must make the same collectives with "

@@ -15,8 +15,8 @@ from .comm import Group
 from .layers import check_ids, vocab_lookup, vocab_range
 from .ledger import traced
 from .loss import vocab_parallel_cross_entropy
-from .mappings import (copy_to_region, gather_from_sequence, linear_on_gathered_sequence,
-                       reduce_from_region, reduce_scatter_to_sequence)
+from .mappings import (copy_to_region, gather_from_sequence, linears_on_gathered_sequence,
+                       reduce_from_region, reduce_scatter_to_sequence, sum_gradients)
 from .random import tracker_for
 from .region_random import DRAWS
 
@@ -68,17 +68,29 @@ class GatherSequence(nn.Module):
         return gather_from_sequence(x, self.group, dim=self.dim, site=self.site)
 
 
-class LinearOnGatheredSequence(nn.Module):
-    """A linear of a sequence-parallel f's output that keeps the shard for backward
-    (all-gathered again there) instead of the gathered input."""
+class LinearsOnGatheredSequence(nn.Module):
+    """The linears reading one sequence-parallel f's output: they keep the shard for
+    backward, all-gathered again there once for all of them (a tuple of outputs). With
+    ``x=None`` they are the gather's only readers and gather it themselves."""
 
     def __init__(self, group: Group, dim: int, site: str):
         super().__init__()
         self.group, self.dim, self.site = group, dim, site
 
-    def forward(self, x, shard, weight, bias=None):
-        return linear_on_gathered_sequence(x, shard, weight, bias, self.group, dim=self.dim,
-                                           site=self.site)
+    def forward(self, x, shard, *weights_and_biases):
+        return linears_on_gathered_sequence(x, shard, weights_and_biases, self.group,
+                                            dim=self.dim, site=self.site)
+
+
+class SumGradients(nn.Module):
+    """f of several tensors (a tuple of them): one flat all-reduce of their gradients."""
+
+    def __init__(self, group: Group, site: str):
+        super().__init__()
+        self.group, self.site = group, site
+
+    def forward(self, *tensors):
+        return sum_gradients(tensors, self.group, site=self.site)
 
 
 def check_sequence(length: int, tp: int, site: str) -> None:

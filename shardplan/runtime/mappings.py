@@ -12,8 +12,11 @@ each other's adjoint:
     gather_from_sequence          all-gather seq dim      reduce-scatter seq dim
     reduce_scatter_to_sequence    reduce-scatter seq dim  all-gather seq dim
 
-``linear_on_gathered_sequence`` is a linear of an all-gathered sequence that
-keeps only this rank's shard for backward and all-gathers it again there.
+``linears_on_gathered_sequence`` runs the linears reading one all-gathered
+sequence, keeping only this rank's shard for backward and all-gathering it
+again there, once for all of them. ``sum_gradients`` is f for several tensors,
+their gradients summed in one flat all-reduce (sequence parallelism's norm
+weights and biases).
 
 The sequence mappings take the sequence dim (``dim``, default 0: Megatron's
 sequence-first layout; a batch-first ``[B, T, C]`` passes 1).
@@ -168,37 +171,87 @@ def reduce_scatter_to_sequence(x: torch.Tensor, group, *, dim: int = 0,
                   (("reduce_scatter", "forward", False), ("all_gather", "backward", False)), dim)
 
 
-class _LinearOnGatheredSequence(torch.autograd.Function):
+class _LinearsOnGatheredSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, shard, weight, bias, group, dim, site):
-        ctx.save_for_backward(shard, weight)
-        ctx.group, ctx.dim, ctx.site, ctx.bias = group, dim, site, bias is not None
-        return torch.nn.functional.linear(x, weight, bias)
+    def forward(ctx, x, shard, group, dim, site, *weights_and_biases):
+        pairs = list(zip(weights_and_biases[::2], weights_and_biases[1::2]))
+        ctx.save_for_backward(shard, *(w for w, _ in pairs))
+        ctx.group, ctx.dim, ctx.site = group, dim, site
+        ctx.biases = [b is not None for _, b in pairs]
+        ctx.gathers = x is None
+        if ctx.gathers:
+            x = group.all_gather(shard, dim, direction="forward", site=site)
+        return tuple(torch.nn.functional.linear(x, w, b) for w, b in pairs)
 
     @staticmethod
-    def backward(ctx, grad):
-        shard, weight = ctx.saved_tensors
-        need_x, _, need_w, need_b = ctx.needs_input_grad[:4]
-        # under autocast forward ran in grad's dtype; autograd casts the results back
-        grad_x = grad.matmul(weight.to(grad.dtype)) if need_x else None
-        grad_w = grad_b = None
-        if need_w:
-            x = ctx.group.all_gather(shard, ctx.dim, direction="backward", site=ctx.site)
-            x = x.to(grad.dtype).reshape(-1, x.shape[-1])
-            grad_w = grad.reshape(-1, grad.shape[-1]).t().matmul(x)
-        if need_b and ctx.bias:
-            grad_b = grad.reshape(-1, grad.shape[-1]).sum(0)
-        return grad_x, None, grad_w, grad_b, None, None, None
+    def backward(ctx, *grads):
+        shard, *weights = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        need_x, wb = needs[1] if ctx.gathers else needs[0], needs[5:]
+        need_w = any(wb[::2])
+        # under autocast forward ran in the grads' dtype; autograd casts the results back
+        grad_x = sum(g.matmul(w.to(g.dtype)) for g, w in zip(grads, weights)) if need_x else None
+        x = grad_shard = None
+        if ctx.gathers and need_x and need_w:  # the input's sum and the re-gather: one call
+            grad_shard, x = ctx.group.reduce_scatter_all_gather(
+                grad_x, shard, ctx.dim, direction="backward", site=ctx.site)
+        else:
+            if ctx.gathers and need_x:
+                grad_shard = ctx.group.reduce_scatter(grad_x, ctx.dim, direction="backward",
+                                                      site=ctx.site)
+            if need_w:  # one all-gather serves every weight's gradient
+                x = ctx.group.all_gather(shard, ctx.dim, direction="backward", site=ctx.site)
+        if x is not None:
+            x = x.reshape(-1, x.shape[-1])
+        out = []
+        for g, need_w, need_b, bias in zip(grads, wb[::2], wb[1::2], ctx.biases):
+            g2 = g.reshape(-1, g.shape[-1])
+            out.append(g2.t().matmul(x.to(g.dtype)) if need_w else None)
+            out.append(g2.sum(0) if need_b and bias else None)
+        if ctx.gathers:
+            return (None, grad_shard, None, None, None, *out)
+        return (grad_x, None, None, None, None, *out)
 
 
-def linear_on_gathered_sequence(x: torch.Tensor, shard: torch.Tensor, weight: torch.Tensor,
-                                bias: torch.Tensor | None, group, *, dim: int,
-                                site: str | None = None) -> torch.Tensor:
-    """``linear(x, weight, bias)`` where ``x`` is ``shard`` all-gathered along ``dim``:
-    backward keeps ``shard`` (1/tp of the tokens) instead of ``x`` and all-gathers it
-    again for the weight's gradient; ``x``'s gradient flows back through its gather."""
-    return _LinearOnGatheredSequence.apply(x, shard, weight, bias, as_group(group), dim,
-                                           _site(site))
+def linears_on_gathered_sequence(x: torch.Tensor | None, shard: torch.Tensor, weights_and_biases,
+                                 group, *, dim: int, site: str | None = None) -> tuple:
+    """``linear(x, w, b)`` for each ``(w, b)`` pair (``b`` may be None), where ``x`` is
+    ``shard`` all-gathered along ``dim``: backward keeps ``shard`` (1/tp of the tokens)
+    instead of ``x`` and all-gathers it once, when every output's gradient is ready, for
+    all the weights' gradients; ``x``'s gradient flows back through its gather.
+
+    ``x=None``: the gather is done here (its only readers are these linears), and
+    backward's reduce-scatter of the input gradient and the re-gather go as one exchange
+    (``Group.reduce_scatter_all_gather``)."""
+    return _LinearsOnGatheredSequence.apply(x, shard, as_group(group), dim, _site(site),
+                                            *weights_and_biases)
+
+
+class _SumGradients(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, site, *tensors):
+        ctx.group, ctx.site = group, site
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        total = ctx.group.all_reduce(flat, direction="backward", site=ctx.site)
+        return (None, None, *(p.view_as(g) for p, g in
+                              zip(total.split([g.numel() for g in grads]), grads)))
+
+
+def sum_gradients(tensors, group, *, site: str | None = None) -> tuple:
+    """f of several tensors at once: identity forward; backward sums their gradients over
+    the group with one all-reduce of one flat buffer, once the last of them is ready."""
+    group = as_group(group)
+    if torch.compiler.is_dynamo_compiling():
+        site = site or "compiled"
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            ledger.traced(tensors[0].new_empty(sum(t.numel() for t in tensors)), "all_reduce",
+                          group.size, 1, "backward", site)
+        return _SumGradients.apply(group, site, *tensors)
+    return _SumGradients.apply(group, _site(site), *tensors)
 
 
 f = copy_to_region

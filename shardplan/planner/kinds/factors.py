@@ -101,7 +101,7 @@ def factor_rule(node, lays, labels, tp, *, partial_ok, shardable, rule) -> Outco
                 return conflict(node, "sharded operand outside the op's signature")
             f = labels[p][lay.dim]
             key = (lay.blocks, lay.padded, lay.replicas)
-            if lay.replicas > 1 and not rule.startswith("elementwise"):
+            if lay.replicas > 1 and not rule.startswith("elementwise") and f not in labels["out"]:
                 return conflict(node, f"{op_name(node)} on a dim held by groups of ranks")
             if sharded.setdefault(f, key) != key:
                 return conflict(node, "operands sharded with different blocks")

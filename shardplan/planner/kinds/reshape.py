@@ -13,6 +13,7 @@ import torch
 from ..graph import args_of, hint, is_symbolic, op_name, shape
 from ..reshape import map_reshape, reshape_groups
 from ...layouts import Shard
+from .equation import _labels as einsum_labels
 from .permute import _PERMUTATIONS
 from .base import Conflict, Context, Kind, Outcome, conflict, local_size, register, with_dim
 
@@ -166,6 +167,12 @@ def _broadcast_later(node, d: int, ctx: Context) -> bool:
                     frontier.append((user, d))
                 continue
             out = shape(user) if isinstance(user.meta.get("val"), torch.Tensor) else None
+            if kind == "equation" and out is not None:  # the dim's letter, if kept
+                e = _einsum_dim(user, cur, d)
+                if e is not None and hint(out[e]) > 1:
+                    return True
+                frontier.extend([] if e is None else [(user, e)])
+                continue
             if out is None or user.args[0] is not cur and kind != "elementwise":
                 continue
             out = [hint(x) for x in out]
@@ -185,6 +192,15 @@ def _broadcast_later(node, d: int, ctx: Context) -> bool:
                 if out[e] > 1 or (d + 1 < len(src) and src[d + 1] == 1 and out[e + 1] > 1):
                     return True
     return False
+
+
+def _einsum_dim(node, operand, d: int) -> int | None:
+    """Where dim ``d`` of ``operand`` lands in the output of einsum ``node`` (None: summed)."""
+    lab = einsum_labels(node, args_of(node)["equation"].replace(" ", ""))
+    if lab is None:
+        return None
+    letter = lab[(1, list(node.args[1]).index(operand))][d]
+    return lab["out"].index(letter) if letter in lab["out"] else None
 
 
 def _taken_apart(node, d: int) -> bool:
