@@ -4,8 +4,8 @@ what Hugging Face's ``generate`` returns on the unsharded model.
 Six HF decoder families (GPT-2, Llama with fewer K/V heads than tp, Qwen2,
 Mistral, OPT, Gemma with one K/V head) on a left-padded batch, greedy
 (and with an eos that ends one sequence early) and seeded sampling, on
-simulated ranks at tp 2 and 4 and once on real gloo ranks. Each case also
-checks that the decode step's caches are split by heads (bytes per rank) and
+simulated ranks at tp 2 and 4 and on real gloo ranks (one launch at tp=2, one
+at tp=4). Each case also checks that the decode step's caches are split by heads (bytes per rank) and
 that one capture serves the prompt and every later token. The sharded models
 are built from captures made once for all ranks (``captured=``), as the other
 HF tests do.
@@ -153,12 +153,10 @@ def test_cached_generate_matches_hf_on_simulated_ranks(kind, kv_heads, tp):
     check(kind, kv_heads, tp, got)
 
 
-REAL = [("gpt2", 4), ("llama", 1)]
-
-
-def real_generate(ctx, eos: dict):
+def real_generate(ctx, cases: list, eos: dict):
+    """Each case's model parallelized as users do, its three generations and cache report."""
     out = []
-    for kind, kv_heads in REAL:
+    for kind, kv_heads in cases:
         sharded = shardplan.parallelize(build(kind, kv_heads), group=ctx.group,
                                         example_inputs=example(*prompts()))
         outs = runs(sharded, eos[kind])
@@ -166,13 +164,25 @@ def real_generate(ctx, eos: dict):
     return out
 
 
+def real_check(real_ranks, tp: int, cases: list) -> None:
+    eos = {kind: reference(kind, kv)[1] for kind, kv in cases}
+    got = real_ranks(tp).run(real_generate, cases, eos)
+    for i, (kind, kv_heads) in enumerate(cases):
+        check(kind, kv_heads, tp, [rank[i] for rank in got])
+
+
 @pytest.mark.real
 def test_cached_generate_matches_hf_on_real_ranks(real_ranks):
     """One launch at tp=2: GPT-2 and Llama with one K/V head, parallelized as users do."""
-    eos = {kind: reference(kind, kv)[1] for kind, kv in REAL}
-    got = real_ranks(2).run(real_generate, eos)
-    for i, (kind, kv_heads) in enumerate(REAL):
-        check(kind, kv_heads, 2, [rank[i] for rank in got])
+    real_check(real_ranks, 2, [("gpt2", 4), ("llama", 1)])
+
+
+@pytest.mark.real
+@pytest.mark.timeout(240)
+def test_cached_generate_matches_hf_on_real_ranks_tp4(real_ranks):
+    """One launch at tp=4: Llama with 2 K/V heads, so each K/V head (and its cache) is held by
+    a group of 2 ranks; greedy, greedy to an eos and seeded sampling on a left-padded batch."""
+    real_check(real_ranks, 4, [("llama", 2)])
 
 
 @pytest.mark.parametrize("preset", ["gpt-tiny", "llama-tiny"])  # llama: RoPE buffers unsaved
