@@ -5,8 +5,9 @@ Six HF decoder families (GPT-2, Llama with fewer K/V heads than tp, Qwen2,
 Mistral, OPT, Gemma with one K/V head) on a left-padded batch, greedy
 (and with an eos that ends one sequence early) and seeded sampling, on
 simulated ranks at tp 2 and 4 and on real gloo ranks (one launch at tp=2, one
-at tp=4). Each case also checks that the decode step's caches are split by heads (bytes per rank) and
-that one capture serves the prompt and every later token. The sharded models
+at tp=4). Each case also checks that the decode step's caches are split by
+heads (bytes per rank) and that one capture serves the prompt and every later
+token. The sharded models
 are built from captures made once for all ranks (``captured=``), as the other
 HF tests do.
 """
