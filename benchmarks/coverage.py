@@ -113,10 +113,15 @@ def shrunk(attrs: dict) -> dict:
         overrides["head_dim"] = SHRINK["qk_rope_head_dim"]  # MLA: head_dim is the rotary part
     for k in KV_HEADS:
         if attrs.get(k) is not None:
-            overrides[k] = 1 if attrs[k] == 1 else 2  # keep multi-query families multi-query
+            if attrs.get("kv_lora_rank") is not None:  # MLA expands K/V to every head
+                overrides[k] = SHRINK["num_attention_heads"]
+            else:  # keep multi-query families multi-query
+                overrides[k] = 1 if attrs[k] == 1 else 2
     for k, v in attrs.items():
         if k == "layer_types" and isinstance(v, list):
             overrides[k] = v[:2]
+        elif k == "attention_types" and isinstance(v, list):  # GPT-Neo: [[kinds, repeats]]
+            overrides[k] = [[v[0][0], 1]]
         elif k in TOKEN_IDS and isinstance(v, int) and v >= VOCAB:
             overrides[k] = TOKEN_IDS.index(k) % 3
     return overrides
@@ -131,6 +136,10 @@ def build(model_type: str, class_name: str):
     import transformers
     cfg = tiny_config(model_type)
     cfg._attn_implementation = "eager"
+    if model_type == "dbrx":  # its default config does not run: the modeling reads a
+        # rope_theta its attention config lacks, and clamps with clip_qkv=None
+        cfg.attn_config.rope_theta = cfg.rope_parameters["rope_theta"]
+        cfg.attn_config.clip_qkv = 8.0  # the released DBRX's value
     cls = getattr(transformers, class_name, None)
     if cls is None:
         raise NotBuilt(f"transformers exports no {class_name}")

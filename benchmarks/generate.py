@@ -1,11 +1,11 @@
 """Generation at tp 1, 2 and 4 on gloo: decode latency per token and prefill throughput of
-``ShardedModule.generate`` against the unsharded model and Hugging Face's own tensor
-parallelism, K/V-cache bytes per rank against theory, and loading a checkpoint of several
-files per rank against one process loading everything.
+``ShardedModule.generate`` (K/V cache split by heads) against the unsharded model and Hugging
+Face's own tensor parallelism, K/V-cache bytes per rank against theory, and loading a
+checkpoint of several files per rank against one process loading everything.
 
     python -m benchmarks.generate                  # from the repo root; writes docs/benchmarks.md
     python -m benchmarks.generate --quick          # tp 1 and 2, 2 rounds, prints only
-    python -m benchmarks.generate --tp 1 2 4 --rounds 5 --prompt 64 --new 8
+    python -m benchmarks.generate --tp 1 2 4 --rounds 5 --prompt 40 --new 24
 
 The model is an HF Llama with random weights (seed 0; eos off, so every run makes
 ``--new`` tokens), saved by ``save_pretrained(max_shard_size=...)`` into several
@@ -16,22 +16,24 @@ processes (``shardplan.ranks.RealRanks(tp)``, one torch thread each); each worke
   parameters on meta + ``parallelize``, then ``load_full_state_dict``), sampling its
   anonymous and file-backed resident memory every millisecond while loading (the
   first thing a fresh worker does, so the growth is the load's own);
+- generates once untimed, which builds the decode step (``ShardedModule.decoder``: one
+  capture); a fallback to recomputing the prefix (its warning) stops the benchmark;
+- counts the K/V cache tensors of that decode step on this rank (``kv_cache_bytes``);
 - for tp >= 2 loads ``from_pretrained(tp_plan="auto", device_mesh=...)``: HF's own tensor
   parallelism (DTensor), which needs ``accelerate`` (``pip install accelerate``; without
-  it that contender is left out and the section says so);
-- measures the cache of the bundled GPT's decode step (``shardplan.kvcache.GPTDecodeStep``)
-  parallelized at this tp: its K/V buffer bytes on every rank (``kv_cache_bytes``).
+  it that contender is left out and the section says so).
 
 Timed rounds: each round runs, per contender, ``generate(prompt, max_new_tokens=1)``
 (prefill: one forward on the prompt and one pick) and ``generate(prompt,
 max_new_tokens=1 + new)``; decode latency per token is their difference / ``new``,
-prefill throughput is prompt tokens / the first. tp contenders run in an order rotated
-each round, each after a barrier, timed as the slower rank; then, while the workers
-idle, the parent process times the unsharded model (one thread) with the same loop
-(``shardplan.generate.generate``: the whole prefix each step) and with HF's
-``generate`` (its KV cache). Every contender's tokens are compared with the unsharded
-model's. ``ShardedModule.generate`` is what is timed, so a KV-cache decode path behind
-it is measured as soon as it is there.
+prefill throughput is prompt tokens / the first. The default prompt (40) and new (24)
+keep both calls in one cache bucket (64 slots), so both run the same decode step, and
+make decoding most of the second call, so the difference is not lost in noise. tp
+contenders run in an order rotated each round, each after a barrier, timed as the slower
+rank; then, while the workers idle, the parent process times the unsharded model (one
+thread) with shardplan's cached loop (``shardplan.generate.generate`` with the plain
+model's ``decode_step``) and with HF's ``generate`` (its dynamic KV cache). Every
+contender's tokens are compared with HF's on the unsharded model.
 """
 
 from __future__ import annotations
@@ -52,15 +54,13 @@ from ._common import command_line, parser, section_head, spread, write_doc  # no
 
 HEADING = "## Generation and checkpoint loading, tp 1/2/4 on gloo"
 COMMAND = "python -m benchmarks.generate"
-DEFAULTS = dict(tp=[1, 2, 4], rounds=4, prompt=64, new=8)
+DEFAULTS = dict(tp=[1, 2, 4], rounds=5, prompt=40, new=24)
 LLAMA = dict(hidden_size=512, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
              intermediate_size=1408, vocab_size=8192, max_position_embeddings=512)
 SHARD_SIZE = "20MB"  # save_pretrained's max_shard_size: the checkpoint in several files
-GPT_CACHE = dict(n_layer=4, n_head=8, n_embd=512, vocab_size=8192, block_size=256)
-CACHE_BATCH = 2
 
 SHARDPLAN, HF_TP = "shardplan", "HF tp_plan"
-SAME_LOOP, HF_UNSHARDED = "unsharded, same loop", "unsharded, HF generate"
+CACHED, HF_UNSHARDED = "unsharded, shardplan cached loop", "unsharded, HF generate"
 
 _STATE: dict = {}  # per worker: the contenders and the prompt
 
@@ -164,41 +164,48 @@ def has_accelerate() -> bool:
     return importlib.util.find_spec("accelerate") is not None
 
 
-def kv_cache_bytes(group) -> int:
-    """K/V cache bytes this rank holds for the bundled GPT's decode step (``GPT_CACHE``,
-    batch ``CACHE_BATCH``, ``block_size`` positions), parallelized over ``group``.
-
-    The one place that builds the cache: to measure another cache (HF models' static
-    cache behind ``ShardedModule.generate``), build it here and count its K/V tensors."""
-    import shardplan
-    from shardplan.kvcache import GPTDecodeStep
-    from shardplan.models import build
-    step = GPTDecodeStep(build("gpt-tiny", device="meta", **GPT_CACHE), batch=CACHE_BATCH)
-    example = step.example(2, device="cpu")  # a prompt of 2 tokens
-    sharded = shardplan.parallelize(step, group=group, example_inputs=example,
-                                    check_model=False)
-    # non-persistent buffers: not in state_dict; ``_tensors`` holds every tensor the graphs bind
-    return sum(t.nbytes for name, t in sharded._tensors.items() if "_cache_" in name)
+def warm_cached(sharded, ids: torch.Tensor, new: int):
+    """Generate once untimed (building the decode step); the step, or an error if
+    ``ShardedModule.generate`` fell back to recomputing the prefix."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sharded.generate(ids, max_new_tokens=1 + new)
+    fallback = [str(w.message) for w in caught if "no K/V cache" in str(w.message)]
+    if fallback or len(sharded._decoders) != 1:
+        raise RuntimeError(f"ShardedModule.generate ran without its K/V cache: {fallback}")
+    return next(iter(sharded._decoders.values()))
 
 
-def kv_theory(tp: int) -> int:
-    """2 (K and V) x layers x batch x positions x heads per rank x head dim x bytes."""
-    c = GPT_CACHE
-    return 2 * c["n_layer"] * CACHE_BATCH * c["block_size"] * (c["n_head"] // tp) \
-        * (c["n_embd"] // c["n_head"]) * 4
+def kv_cache_bytes(decoder) -> int:
+    """Bytes of the K/V cache tensors this rank's decode step holds (non-persistent
+    buffers: not in state_dict; ``_tensors`` holds every tensor its graphs bind)."""
+    return sum(t.nbytes for name, t in decoder._tensors.items() if "_cache_" in name)
 
 
-def _setup(ctx, folder: str, prompt: int, hf_tp: bool) -> dict:
-    """On each worker: load the contenders, measure the cache; what was measured."""
+def kv_theory(tp: int, batch: int, slots: int) -> int:
+    """2 (K and V) x layers x batch x slots x K/V heads per rank x head dim x 4 bytes; with
+    fewer K/V heads than tp, a head shared by a group of ranks counts once per rank."""
+    c = LLAMA
+    kv = c["num_key_value_heads"]
+    return 2 * c["num_hidden_layers"] * batch * slots * (kv // min(tp, kv)) \
+        * (c["hidden_size"] // c["num_attention_heads"]) * 4
+
+
+def _setup(ctx, folder: str, prompt: int, new: int, hf_tp: bool) -> dict:
+    """On each worker: load the contenders, build and measure the cache; what was measured."""
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     ids = prompt_ids(prompt)
     sharded, plan_s, load_s, anon, file, held = _load_shardplan(ctx.group, folder, ids)
     made = {SHARDPLAN: sharded}
     out = dict(plan_s=plan_s, load_s=load_s, anon=anon, file=file, held=held)
+    t0 = time.perf_counter()
+    decoder = warm_cached(sharded, ids, new)
+    out["step_s"] = time.perf_counter() - t0
+    out["kv_bytes"], out["kv_batch"], out["kv_slots"] = \
+        kv_cache_bytes(decoder), decoder.source.batch, decoder.source.max_len
     if hf_tp:
         made[HF_TP], out["hf_tp_load_s"] = _load_hf_tp(folder, ctx.world_size)
-    out["kv_bytes"] = kv_cache_bytes(ctx.group)
     _STATE.clear()
     _STATE.update(contenders=made, ids=ids)
     return out
@@ -208,14 +215,25 @@ def _hf_generate(model, ids, n: int) -> torch.Tensor:
     return model.generate(ids, max_new_tokens=n, do_sample=False, min_new_tokens=n)
 
 
+def _unsharded_step(model, ids: torch.Tensor, n: int):
+    """The plain model's decode step for this generation (the bucket the sharded model
+    picks for it), made once per bucket."""
+    from shardplan.kvcache import cache_length, decode_step
+    key = (ids.shape[0], cache_length(model, ids.shape[1] + n - 1))
+    steps = _UNSHARDED.setdefault("steps", {})
+    if key not in steps:
+        steps[key] = decode_step(model, *key)
+    return steps[key]
+
+
 def run_contender(name: str, model, ids, new: int) -> dict:
     """Prefill (one new token) and a full run (1 + ``new``), timed."""
     def gen(n):
         if name in (HF_TP, HF_UNSHARDED):
             return _hf_generate(model, ids, n)
-        if name == SAME_LOOP:
+        if name == CACHED:
             from shardplan.generate import generate
-            return generate(model, ids, max_new_tokens=n)
+            return generate(model, ids, max_new_tokens=n, step=_unsharded_step(model, ids, n))
         return model.generate(ids, max_new_tokens=n)
     with torch.no_grad():
         t0 = time.perf_counter()
@@ -251,10 +269,10 @@ def _load_one_process(ctx, folder: str) -> dict:
 def measure(tp: int, folder: Path, args, ranks, reference) -> dict:
     """Load at ``tp``, then interleaved rounds of the tp contenders and the unsharded ones."""
     hf_tp = tp >= 2 and has_accelerate()
-    setup = ranks.run(_setup, str(folder), args.prompt, hf_tp)
+    setup = ranks.run(_setup, str(folder), args.prompt, args.new, hf_tp)
     names = [SHARDPLAN] + ([HF_TP] if hf_tp else [])
     ids = prompt_ids(args.prompt)
-    runs = {n: [] for n in [*names, SAME_LOOP, HF_UNSHARDED]}
+    runs = {n: [] for n in [*names, CACHED, HF_UNSHARDED]}
     wrong = set()
     for i in range(1 + args.rounds):
         k = i % len(names)
@@ -265,7 +283,7 @@ def measure(tp: int, folder: Path, args, ranks, reference) -> dict:
             done[name] = dict(slow, prefill=max(r[name]["prefill"] for r in per_rank))
             if any(not torch.equal(r[name]["tokens"], reference) for r in per_rank):
                 wrong.add(name)
-        for name in (SAME_LOOP, HF_UNSHARDED):
+        for name in (CACHED, HF_UNSHARDED):
             done[name] = run_contender(name, _UNSHARDED["model"], ids, args.new)
             if not torch.equal(done[name]["tokens"], reference):
                 wrong.add(name)
@@ -287,8 +305,8 @@ def decode_ms(r: dict, new: int) -> float:
 
 def timing_table(results: dict, args) -> str:
     lines = ["| tp | contender | decode, ms/token | prefill, tokens/s "
-             "| decode / unsharded same loop | decode / unsharded HF generate "
-             "| prefill speed / unsharded same loop | tokens |",
+             "| decode / unsharded cached loop | decode / unsharded HF generate "
+             "| prefill speed / unsharded cached loop | tokens |",
              "|---:|---|---:|---:|---:|---:|---:|---|"]
     f2 = lambda x: f"{x:.2f}"  # noqa: E731
     for tp, res in results.items():
@@ -297,10 +315,10 @@ def timing_table(results: dict, args) -> str:
             dec = [decode_ms(r, args.new) for r in rs]
             pre = [args.prompt / r["prefill"] for r in rs]
             vs = [spread([d / decode_ms(u, args.new) for d, u in zip(dec, runs[p])], f2)
-                  for p in (SAME_LOOP, HF_UNSHARDED)]
-            speed = spread([u["prefill"] / r["prefill"] for r, u in zip(rs, runs[SAME_LOOP])], f2)
+                  for p in (CACHED, HF_UNSHARDED)]
+            speed = spread([u["prefill"] / r["prefill"] for r, u in zip(rs, runs[CACHED])], f2)
             ok = "differ" if name in res["wrong"] else "equal"
-            label = f"{tp} (peer)" if name in (SAME_LOOP, HF_UNSHARDED) else tp
+            label = f"{tp} (peer)" if name in (CACHED, HF_UNSHARDED) else tp
             lines.append(f"| {label} | {name} | {spread(dec)} | {spread(pre, lambda x: f'{x:,.0f}')} "
                          f"| {vs[0]} | {vs[1]} | {speed} | {ok} |")
     return "\n".join(lines)
@@ -320,9 +338,11 @@ def summary(results: dict, one: dict, args) -> list[str]:
                        f"{spread(dec, f2)}; prefill speed {spread(pre, f2)}.")
     plan = [r["plan_s"] for res in results.values() for r in res["setup"]]
     load = [r["load_s"] for res in results.values() for r in res["setup"]]
+    step = [r["step_s"] for res in results.values() for r in res["setup"]]
     out.append(f"- Loading: build + plan (export capture) {spread(plan)} s per rank, reading "
                f"the rank's slices {spread(load, f2)} s; HF's `from_pretrained` in one process "
-               f"{one['load_s']:.2f} s.")
+               f"{one['load_s']:.2f} s. The first `generate` (untimed in the table: it builds the "
+               f"decode step, capture and plan, then generates) {spread(step)} s per rank.")
     return out
 
 
@@ -346,12 +366,17 @@ def load_table(results: dict, one: dict, ckpt_bytes: int) -> str:
 
 
 def kv_table(results: dict) -> str:
-    lines = ["| tp | K/V cache bytes per rank (every rank) | theory | measured / theory |",
-             "|---:|---|---:|---:|"]
+    lines = ["| tp | batch x cache slots | K/V cache bytes per rank (every rank) | theory "
+             "| measured / theory (every rank) |",
+             "|---:|---:|---|---:|---|"]
     for tp, res in results.items():
-        got = [r["kv_bytes"] for r in res["setup"]]
-        lines.append(f"| {tp} | {', '.join(f'{b:,}' for b in got)} | {kv_theory(tp):,} "
-                     f"| {max(got) / kv_theory(tp):.3f} |")
+        s = res["setup"]
+        batch, slots = s[0]["kv_batch"], s[0]["kv_slots"]
+        assert all((r["kv_batch"], r["kv_slots"]) == (batch, slots) for r in s)
+        theory = kv_theory(tp, batch, slots)
+        got = [r["kv_bytes"] for r in s]
+        lines.append(f"| {tp} | {batch} x {slots} | {', '.join(f'{b:,}' for b in got)} "
+                     f"| {theory:,} | {', '.join(f'{b / theory:.3f}' for b in got)} |")
     return "\n".join(lines)
 
 
@@ -384,6 +409,7 @@ def main(argv=None) -> int:
     load_after = os.getloadavg()
 
     n_params = sum(p.numel() for p in model.parameters())
+    cache_slots = next(iter(results.values()))["setup"][0]["kv_slots"]
     body = [timing_table(results, args), "", *summary(results, one, args), "",
             load_table(results, one, ckpt_bytes), "", kv_table(results)]
     text = "\n".join(body)
@@ -409,16 +435,20 @@ def main(argv=None) -> int:
         "(`RealRanks(tp)`), one torch thread each; the unsharded peers run in the parent "
         "process with one thread between the tp contenders' turns. On this 2-core machine, "
         "tp=4 runs 4 processes on 2 cores.", "",
-        "Contenders: `shardplan` is `load_pretrained`'s model and `ShardedModule.generate` "
-        "(today it reruns the whole prefix each token: no KV cache); `HF tp_plan` is "
-        "`from_pretrained(tp_plan=\"auto\")` (DTensor; transformers needs `accelerate` for it: "
-        "`pip install -e '.[bench]'`) and HF's `generate` with its KV cache; "
-        "`unsharded, same loop` is `shardplan.generate.generate` on the plain model (the "
-        "algorithm shardplan runs, unsharded); `unsharded, HF generate` is HF's `generate` "
-        "with its KV cache.", "", *no_hf,
+        "Contenders: `shardplan` is `load_pretrained`'s model and `ShardedModule.generate`: "
+        "its decode step (`ShardedModule.decoder`, built by an untimed first call; the run "
+        "stops if it falls back to recomputing the prefix) runs the prompt once, then one "
+        "token per step, each rank holding its K/V heads of the cache, and rank 0 broadcasting "
+        "each token; `HF tp_plan` is `from_pretrained(tp_plan=\"auto\")` (DTensor; "
+        "transformers needs `accelerate` for it: `pip install -e '.[bench]'`) and HF's "
+        "`generate` with its KV cache; `unsharded, shardplan cached loop` (the fair peer: the "
+        "algorithm shardplan runs, unsharded) is `shardplan.generate.generate` on the plain "
+        "model with its `decode_step` of the same cache length; `unsharded, HF generate` is "
+        "HF's `generate` with its dynamic KV cache.", "", *no_hf,
         f"{args.rounds} timed rounds after one warm-up. Decode, ms/token: (time of generating "
         f"1 + {args.new} tokens - time of generating 1) / {args.new}; prefill, tokens/s: "
-        "prompt tokens / time of generating 1 token. Cells: median (min–max) over the rounds; "
+        "prompt tokens / time of generating 1 token (both calls use the same cache length, "
+        f"{cache_slots} slots, so the same decode step). Cells: median (min–max) over the rounds; "
         "the ratio columns are medians (min–max) of per-round ratios against the unsharded "
         "peers timed in the same round. `tokens`: every rank's tokens against HF's greedy "
         "`generate` on the unsharded model.", "",
@@ -436,11 +466,14 @@ def main(argv=None) -> int:
         "cached pages too: the pages mapped exceed the rank's share where the bytes it copies "
         "(`tensors held`) do not.", "",
         load_table(results, one, ckpt_bytes), "",
-        "K/V cache bytes per rank of the bundled GPT's decode step (`shardplan.kvcache."
-        f"GPTDecodeStep`: {GPT_CACHE['n_layer']} layers, {GPT_CACHE['n_head']} heads, n_embd "
-        f"{GPT_CACHE['n_embd']}, batch {CACHE_BATCH}, {GPT_CACHE['block_size']} positions, "
-        "fp32) parallelized at each tp, against 2 x layers x batch x positions x heads/tp x "
-        "head dim x 4 bytes:", "",
+        "K/V cache bytes per rank of the decode step `ShardedModule.generate` ran above (this "
+        f"Llama: {LLAMA['num_hidden_layers']} layers, {LLAMA['num_key_value_heads']} K/V heads "
+        f"of dim {LLAMA['hidden_size'] // LLAMA['num_attention_heads']}, fp32; the tensors "
+        "named `_cache_` that the rank's step binds), on every rank, against 2 x layers x batch "
+        "x cache slots x K/V heads per rank x head dim x 4 bytes, where K/V heads per rank is "
+        "K/V heads / min(tp, K/V heads) (with fewer K/V heads than tp, a group of ranks holds "
+        "one head, each rank a copy; `tests/test_generate.py` checks that case at tp=4 with 2 "
+        "K/V heads):", "",
         kv_table(results), ""])
     write_doc(HEADING, section)
     return 1 if wrong else 0

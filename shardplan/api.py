@@ -39,8 +39,10 @@ def parallelize(model: nn.Module, tp: int | None = None, *, group=None, mesh=Non
     length must divide by tp.
     ``compile`` runs each rewritten graph under ``torch.compile`` with
     ``fullgraph=True`` (``True``: inductor; or a backend name such as
-    ``"aot_eager"``): the whole graph, or each recomputed block; it needs a
-    ``torch.distributed`` process group. The plan is the same either way.
+    ``"aot_eager"``): each block (torchtitan's per-block compile) when
+    ``recompute`` or ``fsdp`` cut the graph into blocks, else the whole graph;
+    it needs a ``torch.distributed`` process group. The plan is the same either
+    way; ``sharded.compiled_units`` lists what was compiled.
 
     ``fsdp``: also shard over the mesh's "dp" dimension with FSDP2
     (``fully_shard`` per block, every element of every ``nn.ModuleList``, then
@@ -67,11 +69,6 @@ def parallelize(model: nn.Module, tp: int | None = None, *, group=None, mesh=Non
                            fix="build the model identically on every rank (same seed or the same "
                                "checkpoint) before parallelize, or pass check_model=False")
     fsdp_blocks, options = _fsdp_plan(model, fsdp, mesh, recompute)
-    if fsdp_blocks and compile:
-        raise ConfigurationError(
-            "compile= together with fsdp= is not supported yet (FSDP2's per-block hooks and "
-            "the compiled units are not aligned)",
-            where="parallelize", fix="pass one of compile= or fsdp=")
     example = example_args(model, example_inputs)
     sharded = ShardedModule(model, grp, load_rules(rules), example=example,
                             gather_output=gather_output, strict=strict, recompute=recompute,

@@ -27,6 +27,8 @@ from .planner.rewrite import bind, gather_params, rewrite
 from .planner.rules import RuleSet
 from .runtime.comm import Group
 from .runtime.graph_ops import ModelParallelRNG
+from .runtime.random import tracker_for
+from .runtime.region_random import DRAWS
 from .planner.shards import local_tensors
 
 
@@ -41,6 +43,7 @@ class ShardedModule(nn.Module):
                  sequence_parallel: bool = False, fsdp_blocks: list[str] = (),
                  keep: dict | None = None):
         super().__init__()
+        self.training = source.training  # the mode the first graph is captured in
         self._compile = compile  # False, or torch.compile's backend (True: inductor)
         self._source = [source]  # a list hides it from nn.Module's registry
         self._group, self._rules = group, rules
@@ -48,6 +51,9 @@ class ShardedModule(nn.Module):
         self.sequence_parallel = sequence_parallel
         self._graphs: dict = {}
         self._decoders: dict = {}  # (batch, max_len) -> the parallelized decode step
+        #: what ``compile_graph`` compiled for each way of calling (call key -> modules)
+        self.compiled_units: dict = {}
+        self._draws = False  # a compiled graph draws from the model-parallel stream
         #: FQNs of the blocks whose activations are recomputed in backward
         self.recomputed = block_names(source, recompute) if recompute else []
         #: FQNs of the blocks FSDP2 shards over the data-parallel ranks (``parallel.fsdp``)
@@ -107,6 +113,8 @@ class ShardedModule(nn.Module):
             with PLANNING_LOCK:
                 gm = self._graphs[key] = self._graph_for(args, kwargs)
         self._last = key
+        if self._draws:  # a compiled graph reads the tracker's state but cannot install one
+            tracker_for(self._group.rank)
         return gm(*args, **kwargs)
 
     def generate(self, input_ids: torch.Tensor, *, kv_cache: bool = True,
@@ -300,7 +308,9 @@ class ShardedModule(nn.Module):
             gm = route_through_owners(gm)
             adopt_tree(gm, self)
         if self._compile:
-            compile_graph(gm, "inductor" if self._compile is True else self._compile)
+            self.compiled_units[_key(args, kwargs, self.training)] = compile_graph(
+                gm, "inductor" if self._compile is True else self._compile)
+            self._draws |= any(isinstance(m, ModelParallelRNG) for m in gm.modules())
         return gm
 
     def _wrap(self, piece: fx.GraphModule, block: str) -> nn.Module:
@@ -322,20 +332,32 @@ def parallel_step(step: nn.Module, group: Group, rules: RuleSet, *, strict: bool
     return sharded
 
 
-def compile_graph(gm: fx.GraphModule, backend: str) -> None:
-    """``torch.compile`` ``gm`` in place, each unit as one graph (``fullgraph``): every
-    recomputed block when there are any (torchtitan's per-block compile; the glue
-    between blocks stays eager), else the whole graph. Batch and sequence become
-    dynamic on the first call with other sizes (one recompile)."""
-    rng = [name for name, m in gm.named_modules() if isinstance(m, ModelParallelRNG)]
-    if rng:
+def compile_graph(gm: fx.GraphModule, backend: str) -> list[nn.Module]:
+    """``torch.compile`` ``gm`` in place, each unit as one graph (``fullgraph``), and
+    return the units: every block's piece when the graph is cut into blocks
+    (recomputation or FSDP2: torchtitan's per-block compile, the glue between blocks
+    and FSDP2's hooks stay eager), else the whole graph. Batch and sequence become
+    dynamic on the first call with other sizes (one recompile). Dropout draws the
+    masks eager draws: the model-parallel stream through ``region_random``, the
+    replicated one through torch's generator (inductor's ``fallback_random``)."""
+    fork = [name for name, m in gm.named_modules()
+            if isinstance(m, ModelParallelRNG) and not m.traceable]
+    if fork:
         raise ConfigurationError(
-            f"compile: {rng[0]} draws from the model-parallel RNG stream (dropout inside a "
-            f"tensor-parallel region), which torch.compile cannot trace",
-            fix="train with attention/region dropout 0, call eval(), or pass compile=False")
-    blocks = [m.block for m in gm.modules() if isinstance(m, Recomputed)]
-    for unit in blocks or [gm]:
-        unit.compile(fullgraph=True, backend=backend)
+            f"compile: {fork[0]} runs {gm.get_submodule(fork[0]).op} on the model-parallel RNG "
+            f"stream by swapping generators, which torch.compile cannot trace (only "
+            f"{', '.join(DRAWS)} have a traceable form)",
+            fix="remove that op from the rule file's random table, call eval(), or pass "
+                "compile=False")
+    units = [m.block for m in gm.modules() if isinstance(m, Recomputed)]
+    units += [m.piece for m in gm.modules()
+              if isinstance(m, OwnedPiece) and not isinstance(m.piece, Recomputed)]
+    # inductor draws replicated-stream dropout from its own generator unless told to call
+    # torch's: with the fallback a compiled model draws the masks an eager one draws
+    options = {"fallback_random": True} if backend == "inductor" else None
+    for unit in units or [gm]:
+        unit.compile(fullgraph=True, backend=backend, options=options)
+    return units or [gm]
 
 
 def _key(args, kwargs, training: bool):

@@ -147,3 +147,39 @@ def options_rank(ctx, model, data):
     with torch.no_grad():
         logits, _ = sharded(x0[mine])
     return losses, tuple(logits.shape)
+
+
+def compile_rank(ctx, model, data, recompute: bool):
+    """TP x FSDP2 at (dp=2, tp=2), eager and compiled (``aot_eager``): (eager losses,
+    compiled losses, this rank's parameter shards after the steps eager and compiled,
+    the FQNs of the blocks whose pieces were compiled, graphs compiled, graph breaks)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from torch.distributed.tensor import DTensor
+    from shardplan.parallel.fsdp import OwnedPiece
+    from shardplan.planner.recompute import Recomputed
+    torch._dynamo.reset()
+    counters.clear()
+    runs = []
+    for compiled in (False, "aot_eager"):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        r = mesh.get_local_rank("dp")
+        mine = slice(2 * r, 2 * r + 2)
+        x0, y0 = data[0]
+        sharded = shardplan.parallelize(copy.deepcopy(model), mesh=mesh, fsdp=True,
+                                        recompute=recompute, compile=compiled,
+                                        example_inputs=(x0[mine], y0[mine]))
+        losses = _steps(sharded, torch.optim.AdamW(sharded.parameters(), lr=LR), data,
+                        mine, mesh)
+        shards = {n: p.to_local().detach().clone() if isinstance(p, DTensor) else p
+                  for n, p in sharded.named_parameters()}
+        runs.append((losses, shards))
+    blocks = {}  # each block's graph piece -> the block's FQN
+    for m in sharded.graph_module.modules():
+        if isinstance(m, OwnedPiece):
+            inner = m.piece.block if isinstance(m.piece, Recomputed) else m.piece
+            blocks[id(inner)] = m.block
+    units = next(iter(sharded.compiled_units.values()))
+    return (runs[0][0], runs[1][0], runs[0][1], runs[1][1],
+            [blocks.get(id(u), "not a block") for u in units],
+            counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))

@@ -4,9 +4,10 @@ what Hugging Face's ``generate`` returns on the unsharded model.
 Six HF decoder families (GPT-2, Llama with fewer K/V heads than tp, Qwen2,
 Mistral, OPT, Gemma with one K/V head) on a left-padded batch, greedy
 (and with an eos that ends one sequence early) and seeded sampling, on
-simulated ranks at tp 2 and 4 and once on real gloo ranks. Each case also
-checks that the decode step's caches are split by heads (bytes per rank) and
-that one capture serves the prompt and every later token. The sharded models
+simulated ranks at tp 2 and 4 and on real gloo ranks (one launch at tp=2, one
+at tp=4). Each case also checks that the decode step's caches are split by
+heads (bytes per rank) and that one capture serves the prompt and every later
+token. The sharded models
 are built from captures made once for all ranks (``captured=``), as the other
 HF tests do.
 """
@@ -34,18 +35,18 @@ NEW, VOCAB, CACHE = 5, 101, 16  # 5 prompt + 5 new tokens fit a 16-slot cache
 SAMPLE = dict(do_sample=True, temperature=0.8, top_k=20, top_p=0.9)
 
 
-def build(kind: str, kv_heads: int = 2):
-    """A 2-layer HF causal LM of width 32 with 4 heads, random weights."""
+def build(kind: str, kv_heads: int = 2, layers: int = 2):
+    """An HF causal LM of ``layers`` layers, width 32 and 4 heads, random weights."""
     import transformers as tf
     torch.manual_seed(0)
     common = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    decoder = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+    decoder = dict(num_hidden_layers=layers, hidden_size=32, num_attention_heads=4,
                    intermediate_size=64, max_position_embeddings=64, **common)
     if kind == "gpt2":
-        model = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=2, n_embd=32, n_head=4,
+        model = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=layers, n_embd=32, n_head=4,
                                                  n_positions=32, **common))
     elif kind == "opt":
-        model = tf.OPTForCausalLM(tf.OPTConfig(num_hidden_layers=2, hidden_size=32,
+        model = tf.OPTForCausalLM(tf.OPTConfig(num_hidden_layers=layers, hidden_size=32,
                                                num_attention_heads=4, ffn_dim=64,
                                                word_embed_proj_dim=32,
                                                max_position_embeddings=64, **common))
@@ -90,9 +91,9 @@ def runs(model, eos_token_id: int):
 
 
 @functools.lru_cache(maxsize=None)
-def reference(kind: str, kv_heads: int):
+def reference(kind: str, kv_heads: int, layers: int = 2):
     """HF's outputs, and the eos used: the second token greedy generates for the first prompt."""
-    model = build(kind, kv_heads)
+    model = build(kind, kv_heads, layers)
     ids, mask = prompts()
     eos = int(model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)[0, -1])
     expected = runs(model, eos)
@@ -110,10 +111,10 @@ def cache_report(decoder: ShardedModule) -> tuple:
             sum(t.nbytes for t in held.values()), len(graphs))
 
 
-def check(kind: str, kv_heads: int, tp: int, got: list) -> None:
+def check(kind: str, kv_heads: int, tp: int, got: list, layers: int = 2) -> None:
     """Every rank generated HF's tokens, held its share of the cache, captured once."""
-    expected, _ = reference(kind, kv_heads)
-    step = decode_step(build(kind, kv_heads), 2, CACHE)
+    expected, _ = reference(kind, kv_heads, layers)
+    step = decode_step(build(kind, kv_heads, layers), 2, CACHE)
     full = sum(t.nbytes for name, t in step.named_buffers() if "_cache_" in name)
     heads = step.k_cache_0.shape[1]
     for rank, (outs, layouts, local, graphs) in enumerate(got):
@@ -153,26 +154,37 @@ def test_cached_generate_matches_hf_on_simulated_ranks(kind, kv_heads, tp):
     check(kind, kv_heads, tp, got)
 
 
-REAL = [("gpt2", 4), ("llama", 1)]
-
-
-def real_generate(ctx, eos: dict):
+def real_generate(ctx, cases: list, eos: dict):
+    """Each case's model parallelized as users do, its three generations and cache report."""
     out = []
-    for kind, kv_heads in REAL:
-        sharded = shardplan.parallelize(build(kind, kv_heads), group=ctx.group,
+    for kind, kv_heads, layers in cases:
+        sharded = shardplan.parallelize(build(kind, kv_heads, layers), group=ctx.group,
                                         example_inputs=example(*prompts()))
         outs = runs(sharded, eos[kind])
         out.append((outs, *cache_report(sharded.decoder(2, CACHE))))
     return out
 
 
+def real_check(real_ranks, tp: int, cases: list) -> None:
+    eos = {case[0]: reference(*case)[1] for case in cases}
+    got = real_ranks(tp).run(real_generate, cases, eos)
+    for i, (kind, kv_heads, layers) in enumerate(cases):
+        check(kind, kv_heads, tp, [rank[i] for rank in got], layers)
+
+
 @pytest.mark.real
 def test_cached_generate_matches_hf_on_real_ranks(real_ranks):
     """One launch at tp=2: GPT-2 and Llama with one K/V head, parallelized as users do."""
-    eos = {kind: reference(kind, kv)[1] for kind, kv in REAL}
-    got = real_ranks(2).run(real_generate, eos)
-    for i, (kind, kv_heads) in enumerate(REAL):
-        check(kind, kv_heads, 2, [rank[i] for rank in got])
+    real_check(real_ranks, 2, [("gpt2", 4, 2), ("llama", 1, 2)])
+
+
+@pytest.mark.real
+@pytest.mark.timeout(240)
+def test_cached_generate_matches_hf_on_real_ranks_tp4(real_ranks):
+    """One launch at tp=4: a 1-layer Llama with 2 K/V heads, so each K/V head (and its cache)
+    is held by a group of 2 ranks; greedy, greedy to an eos and seeded sampling on a
+    left-padded batch."""
+    real_check(real_ranks, 4, [("llama", 2, 1)])
 
 
 @pytest.mark.parametrize("preset", ["gpt-tiny", "llama-tiny"])  # llama: RoPE buffers unsaved

@@ -19,6 +19,7 @@ from .mappings import (copy_to_region, gather_from_sequence, linears_on_gathered
                        max_over_ranks, reduce_from_region, reduce_scatter_to_sequence,
                        sum_gradients)
 from .random import tracker_for
+from .region_random import DRAWS
 
 
 class CopyToRegion(nn.Module):
@@ -226,13 +227,23 @@ class SumOverReplicas(nn.Module):
 class ModelParallelRNG(nn.Module):
     """Runs one random op of a sharded region (dropout on split activations or on
     attention probabilities) on this rank's model-parallel stream, so ranks that
-    hold different heads draw different masks, and replicated regions stay in step."""
+    hold different heads draw different masks, and replicated regions stay in step.
+    Ops with a traceable form (``region_random.DRAWS``) take the stream's state as
+    data, eager and compiled; any other runs under ``tracker.fork()`` (eager only)."""
 
     def __init__(self, op, group: Group):
         super().__init__()
         self.op, self.group = op, group
+        self.draw = DRAWS.get(op._schema.name)
+
+    @property
+    def traceable(self) -> bool:
+        return self.draw is not None
 
     def forward(self, *args, **kwargs):
-        with tracker_for(self.group.rank).fork():
-            return self.op(*args, **kwargs)
-
+        tracker = tracker_for(self.group.rank)
+        if self.draw is None:
+            with tracker.fork():
+                return self.op(*args, **kwargs)
+        first = next(t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor))
+        return self.draw(tracker.state_for(first.device), *args, **kwargs)

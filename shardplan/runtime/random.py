@@ -10,7 +10,10 @@
 ``tracker.fork()`` swaps the model-parallel state into the default
 generators and back, keeping how far it advanced. ``get_states()`` /
 ``set_states()`` capture and restore both streams, which is what activation
-recomputation needs to redraw the same masks.
+recomputation needs to redraw the same masks. The model-parallel state lives
+in tensors that are only ever updated in place (``state_for``): draws that
+take the state as data (``region_random``) read and advance the same tensor
+eager and compiled.
 
 The default generators are per process: simulated ranks (threads) share
 them, so run RNG-dependent code per rank sequentially or on real ranks.
@@ -67,6 +70,7 @@ class RNGTracker:
     def __init__(self, seed: int, tp_rank: int, *, cuda: bool | None = None):
         self.seed, self.tp_rank = seed, tp_rank
         self.cuda = torch.cuda.is_available() if cuda is None else cuda
+        #: the model-parallel stream's generator states by device type, updated in place
         self._parallel = _seeded_states(model_parallel_seed(seed, tp_rank), self.cuda)
         self._outside: dict[str, torch.Tensor] | None = None  # replicated state while forked
 
@@ -81,7 +85,7 @@ class RNGTracker:
         try:
             yield
         finally:
-            self._parallel = _default_states(self.cuda)
+            _copy_into(self._parallel, _default_states(self.cuda))
             _set_default_states(self._outside)
             self._outside = None
 
@@ -99,7 +103,7 @@ class RNGTracker:
         replicated, parallel = _clone(states[REPLICATED]), _clone(states[MODEL_PARALLEL])
         if self._outside is None:
             _set_default_states(replicated)
-            self._parallel = parallel
+            _copy_into(self._parallel, parallel)
         else:
             self._outside = replicated
             _set_default_states(parallel)
@@ -115,11 +119,25 @@ class RNGTracker:
         if self._outside is not None:
             raise ConfigurationError("model_parallel_at inside a fork",
                                      fix="replay a block outside tracker.fork()")
-        now, self._parallel = self._parallel, _clone(state)
+        now = _clone(self._parallel)
+        _copy_into(self._parallel, state)
         try:
             yield
         finally:
-            self._parallel = now
+            _copy_into(self._parallel, now)
+
+    def state_for(self, device: torch.device) -> torch.Tensor:
+        """The live model-parallel generator state for ``device``'s type (a CPU tensor
+        that draws taking the state as data advance in place)."""
+        if self._outside is not None:
+            raise ConfigurationError("a model-parallel draw inside tracker.fork()",
+                                     fix="call the sharded model outside tracker.fork()")
+        return self._parallel[device.type]
+
+
+def _copy_into(live: dict[str, torch.Tensor], states: dict[str, torch.Tensor]) -> None:
+    for k, v in states.items():
+        live[k].copy_(v)
 
 
 def _clone(states: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -37,8 +37,8 @@ is logged and saved with the checkpoint. A step whose gradient is not finite
 is skipped in every mode. ``--recompute``: each block's activations are
 recomputed in backward (``parallelize(recompute=True)``), with the dropout
 masks of the first pass. ``--compile [BACKEND]``: ``parallelize(compile=...)``,
-the sharded graph (or each recomputed block) under ``torch.compile`` with
-``fullgraph=True`` (default backend inductor).
+the sharded graph (or each block, with --recompute or --fsdp) under
+``torch.compile`` with ``fullgraph=True`` (default backend inductor).
 
 **Checkpoints.** ``--save DIR`` writes ``DIR/step-00000050`` (a
 ``shardplan.checkpoint`` directory: shards and optimizer state per TP rank)
@@ -140,7 +140,8 @@ class TrainConfig:
                         "data-parallel ranks with FSDP2, per block (checkpoints are then "
                         "torch DCP)")
     compile: str | None = option(None, "torch.compile the sharded graph (fullgraph; per block "
-                                       "with --recompute) with this backend; bare --compile: "
+                                       "with --recompute or --fsdp) with this backend; bare "
+                                       "--compile: "
                                        "inductor", nargs="?", const="inductor",
                                  metavar="BACKEND")
     log_every: int = option(10, "steps between log lines (0: no logging)")
