@@ -16,7 +16,7 @@ processes (``shardplan.ranks.RealRanks(tp)``, one torch thread each); each worke
   parameters on meta + ``parallelize``, then ``load_full_state_dict``), sampling its
   anonymous and file-backed resident memory every millisecond while loading (the
   first thing a fresh worker does, so the growth is the load's own);
-- generates once untimed, which builds the decode step (``ShardedModule.decoder``: one
+- generates once untimed, which builds the decode step (``ShardedModule.decode_step``: one
   capture); a fallback to recomputing the prefix (its warning) stops the benchmark;
 - counts the K/V cache tensors of that decode step on this rank (``kv_cache_bytes``);
 - for tp >= 2 loads ``from_pretrained(tp_plan="auto", device_mesh=...)``: HF's own tensor
@@ -436,7 +436,7 @@ def main(argv=None) -> int:
         "process with one thread between the tp contenders' turns. On this 2-core machine, "
         "tp=4 runs 4 processes on 2 cores.", "",
         "Contenders: `shardplan` is `load_pretrained`'s model and `ShardedModule.generate`: "
-        "its decode step (`ShardedModule.decoder`, built by an untimed first call; the run "
+        "its decode step (`ShardedModule.decode_step`, built by an untimed first call; the run "
         "stops if it falls back to recomputing the prefix) runs the prompt once, then one "
         "token per step, each rank holding its K/V heads of the cache, and rank 0 broadcasting "
         "each token; `HF tp_plan` is `from_pretrained(tp_plan=\"auto\")` (DTensor; "

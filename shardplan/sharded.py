@@ -70,7 +70,9 @@ class ShardedModule(nn.Module):
             gm = self._finish(ann, captured, args, kwargs)
         for name, child in gm.named_children():
             if not name.startswith(("tp_", "_", "submod_")):
-                self.add_module(name, child)
+                # into the registry directly: a child named like one of our attributes
+                # (T5's ``decoder``) is still listed, and the attribute still wins
+                self._modules[name] = child
         for name, t in gm._parameters.items():
             self.register_parameter(name, t)
         if self.fsdp_blocks:
@@ -134,7 +136,7 @@ class ShardedModule(nn.Module):
         return generate(self, input_ids, group=self._group, source=self._source[0],
                         gather=gather, step=step, **kwargs)
 
-    def decoder(self, batch: int, max_len: int,
+    def decode_step(self, batch: int, max_len: int,
                 captured: Captured | None = None) -> "ShardedModule":
         """The parallelized decode step (``kvcache.decode_step``) of this model for ``batch``
         sequences of up to ``max_len`` tokens: its K/V caches split by heads, its
@@ -162,7 +164,7 @@ class ShardedModule(nn.Module):
         if not batch or not prompt or max_new_tokens < 1:
             return None  # generate() reports the bad arguments
         try:
-            return self.decoder(batch, cache_length(self._source[0], prompt + max_new_tokens - 1))
+            return self.decode_step(batch, cache_length(self._source[0], prompt + max_new_tokens - 1))
         except ShardplanError as e:  # no step, or one that cannot be captured or planned
             warnings.warn(f"generate: no K/V cache, the prefix is recomputed for every token: "
                           f"{e.what}", stacklevel=3)

@@ -161,7 +161,7 @@ def real_generate(ctx, cases: list, eos: dict):
         sharded = shardplan.parallelize(build(kind, kv_heads, layers), group=ctx.group,
                                         example_inputs=example(*prompts()))
         outs = runs(sharded, eos[kind])
-        out.append((outs, *cache_report(sharded.decoder(2, CACHE))))
+        out.append((outs, *cache_report(sharded.decode_step(2, CACHE))))
     return out
 
 

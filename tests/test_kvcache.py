@@ -31,7 +31,7 @@ def sharded_with_decoder(ctx, model, args, kwargs, captured, step_captured, **kw
     sharded = ShardedModule(copy.deepcopy(model), ctx.group, load_rules(), example=(args, kwargs),
                             gather_output=kw.pop("gather_output", True), strict=False,
                             captured=copy.deepcopy(captured))
-    sharded.decoder(2, CACHE, captured=copy.deepcopy(step_captured))
+    sharded.decode_step(2, CACHE, captured=copy.deepcopy(step_captured))
     return sharded
 
 
@@ -81,7 +81,7 @@ def sim_bundled(ctx, model, ids, captured, step_captured, padded, mask):
                                  gather_output=False)
     with pytest.raises(ConfigurationError, match="takes no attention_mask"):  # no cache: no mask
         sharded.generate(padded, attention_mask=mask, max_new_tokens=1, kv_cache=False)
-    decoder = sharded.decoder(2, CACHE)
+    decoder = sharded.decode_step(2, CACHE)
     caches, local, _ = cache_report(decoder)
     return (greedy, sampled, split.generate(ids, max_new_tokens=NEW),
             split.generate(ids, max_new_tokens=NEW, kv_cache=False), caches, local)

@@ -395,3 +395,31 @@ def test_in_place_writes_after_a_transition():
     p = shardplan.plan(model, 2, example_inputs=x)
     assert p.param("wq.weight").layout == "S(0)" and p.param("wo.weight").layout == "S(1)"
     assert p.param("wk.weight").layout == "R"  # new_empty has no rule: its keys stay whole
+
+
+# --------------------------------------------------------------------------- child names
+
+class EncoderDecoder(nn.Module):
+    """Top-level children named like ``ShardedModule``'s own attributes (T5's ``decoder``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Linear(8, 16)
+        self.decoder = nn.Linear(16, 8)
+        self.plan = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.plan(self.decoder(torch.relu(self.encoder(x))))
+
+
+def test_children_named_like_sharded_attributes():
+    torch.manual_seed(0)
+    model, x = EncoderDecoder(), torch.randn(2, 3, 8)
+    report = shardplan.verify(model, 2, example_inputs=x)
+    assert report.ok, str(report)
+    sharded = SimulatedRanks(2).run(
+        lambda ctx: shardplan.parallelize(copy.deepcopy(model), group=ctx.group,
+                                          example_inputs=x))[0]
+    assert callable(sharded.decode_step) and sharded.plan.param("encoder.weight").layout == "S(0)"
+    names = dict(sharded.named_parameters())  # the children are listed, the rank's shards
+    assert names["encoder.weight"].shape == (8, 8) and names["decoder.weight"].shape == (8, 8)
