@@ -188,13 +188,24 @@ def test_one_wide_gate_stays_replicated(tp):
 
 
 def test_width_not_dividing_tp_is_a_replicated_decision():
-    """An FFN of 150 at tp=4: nothing forces the split, so the MLP stays whole."""
-    p = shardplan.plan(build("llama-tiny", n_kv_heads=4, ffn_hidden=150), 4)
-    assert p.param("layers.0.feed_forward.w1.weight").layout == "R"
-    assert p.param("layers.0.feed_forward.w2.weight").layout == "R"
+    """An FFN of 150 at tp=4: its up projections stay whole, each with the reason. The down
+    projection's output (the hidden width) still splits, where the plan records the
+    choice that makes it pay: the next norm run distributed, cheaper by the plan's own
+    cost than keeping that region whole."""
+    model = build("llama-tiny", n_kv_heads=4, ffn_hidden=150)
+    p = shardplan.plan(model, 4)
+    for name in ("w1", "w3"):
+        assert p.param(f"layers.0.feed_forward.{name}.weight").layout == "R"
+        d, = [d for d in p.decisions if d.module == f"layers.0.feed_forward.{name}"]
+        assert d.role == "replicated" and "150 does not divide by tp=4" in d.rule
     assert p.param("layers.0.attention.wq.weight").layout == "S(0)"
-    w1, = [d for d in p.decisions if d.module == "layers.0.feed_forward.w1"]
-    assert w1.role == "replicated" and "150 does not divide by tp=4" in w1.rule
+    if p.param("layers.0.feed_forward.w2.weight").layout != "R":
+        chosen = [c for c in p.choices if c.chosen == "distributed"]
+        assert chosen, "the down projection split with no recorded choice"
+        for c in chosen:
+            assert sum(c.costs["distributed"].values()) <= sum(c.costs["replicated"].values())
+    report = shardplan.verify(model, 4)
+    assert report.ok, str(report)
 
 
 def test_kv_projection_not_dividing_tp_stays_replicated():
