@@ -294,27 +294,14 @@ def test_region_dropout_compiled_draws_the_eager_masks(real_ranks):
         assert_same_draws(pool.run(dropout_step, name, "aot_eager", recompute))
 
 
-def inductor_eval(ctx):
-    """The dropout GPT compiled whole by inductor, in eval mode; and the unsharded model."""
-    model, args, _ = dropout_model("gpt")
-    kw = dict(zip(("idx", "targets"), args))
-    sharded = shardplan.parallelize(copy.deepcopy(model), group=ctx.group,
-                                    example_inputs=kw, compile=True)
-    return run_eval(sharded, kw), run_eval(model, kw)
-
-
 @pytest.mark.timeout(600)
 def test_inductor():
-    """Inductor: train-mode dropout (both streams) draws eager's masks; in eval mode the
-    compiled model equals the unsharded one. Its own pool: inductor's C++ compile on a
-    loaded 2-core machine can outlast the shared pool's task timeout."""
+    """Inductor: train-mode dropout (both streams) draws eager's masks (eval mode compiled
+    is compared with the unsharded model under aot_eager above, on all four models). Its
+    own pool: inductor's C++ compile on a loaded 2-core machine can outlast the shared
+    pool's task timeout."""
     with RealRanks(2, timeout=270) as pool:
         assert_same_draws(pool.run(dropout_step, "gpt", "inductor", False))
-        ranks = pool.run(inductor_eval)
-    for compiled, want in ranks:
-        assert len(compiled) == len(want) == 2  # logits, loss
-        for got, ref in zip(compiled, want):
-            torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
 
 
 def refuse_simulated(ctx):

@@ -4,8 +4,8 @@ what Hugging Face's ``generate`` returns on the unsharded model.
 Six HF decoder families (GPT-2, Llama with fewer K/V heads than tp, Qwen2,
 Mistral, OPT, Gemma with one K/V head) on a left-padded batch, greedy
 (and with an eos that ends one sequence early) and seeded sampling, on
-simulated ranks at tp 2 and 4 and on real gloo ranks (one launch at tp=2, one
-at tp=4). Each case also checks that the decode step's caches are split by
+simulated ranks at tp 2 and 4 and on real gloo ranks (one launch at tp=2: GPT-2,
+Llama, Qwen2, Mistral, OPT; one at tp=4: Llama, OPT). Each case also checks that the decode step's caches are split by
 heads (bytes per rank) and that one capture serves the prompt and every later
 token. The sharded models
 are built from captures made once for all ranks (``captured=``), as the other
@@ -174,17 +174,19 @@ def real_check(real_ranks, tp: int, cases: list) -> None:
 
 @pytest.mark.real
 def test_cached_generate_matches_hf_on_real_ranks(real_ranks):
-    """One launch at tp=2: GPT-2 and Llama with one K/V head, parallelized as users do."""
-    real_check(real_ranks, 2, [("gpt2", 4, 2), ("llama", 1, 2)])
+    """One launch at tp=2: GPT-2, Llama with one K/V head, and (one layer each) Qwen2,
+    Mistral and OPT, parallelized as users do."""
+    real_check(real_ranks, 2, [("gpt2", 4, 2), ("llama", 1, 2), ("qwen2", 2, 1),
+                               ("mistral", 2, 1), ("opt", 4, 1)])
 
 
 @pytest.mark.real
 @pytest.mark.timeout(240)
 def test_cached_generate_matches_hf_on_real_ranks_tp4(real_ranks):
     """One launch at tp=4: a 1-layer Llama with 2 K/V heads, so each K/V head (and its cache)
-    is held by a group of 2 ranks; greedy, greedy to an eos and seeded sampling on a
-    left-padded batch."""
-    real_check(real_ranks, 4, [("llama", 2, 1)])
+    is held by a group of 2 ranks, and a 1-layer OPT (4 heads, one a rank); greedy, greedy
+    to an eos and seeded sampling on a left-padded batch."""
+    real_check(real_ranks, 4, [("llama", 2, 1), ("opt", 4, 1)])
 
 
 @pytest.mark.parametrize("preset", ["gpt-tiny", "llama-tiny"])  # llama: RoPE buffers unsaved

@@ -51,7 +51,7 @@ def configs(draw):
     return family, cfg, tp, b, t, sp
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow],
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow],
           derandomize=not RANDOM, database=None,
           phases=[Phase.explicit, Phase.reuse, Phase.generate])  # shrinking: minutes of exports
 @given(configs())
