@@ -52,22 +52,24 @@ def _empty(like: torch.Tensor, shape) -> torch.Tensor:
 
 
 def dropout(state: torch.Tensor, input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
-    """``aten.dropout`` on the stream at ``state`` (its cases: nothing drawn for p 0 or 1)."""
-    if p == 0 or not train or input.numel() == 0:
-        return input
-    if p == 1:
-        return input * input.new_zeros(())
-    return input * model_parallel_noise(state, input.detach(), input.shape, p)
+    """``aten.dropout`` on the stream at ``state``: one draw per element."""
+    return _masked(state, input, p, train, input.shape)
 
 
 def feature_dropout(state: torch.Tensor, input: torch.Tensor, p: float,
                     train: bool) -> torch.Tensor:
     """``aten.feature_dropout``: one draw per (sample, channel)."""
+    return _masked(state, input, p, train,
+                   [input.shape[0], input.shape[1], *[1] * (input.dim() - 2)])
+
+
+def _masked(state, input, p: float, train: bool, shape) -> torch.Tensor:
+    """``input`` times a keep-mask of ``shape`` (broadcast), with ``aten.dropout``'s cases:
+    nothing drawn for p 0 or 1, or outside training."""
     if p == 0 or not train or input.numel() == 0:
         return input
     if p == 1:
         return input * input.new_zeros(())
-    shape = [input.shape[0], input.shape[1], *[1] * (input.dim() - 2)]
     return input * model_parallel_noise(state, input.detach(), shape, p)
 
 
