@@ -125,7 +125,7 @@ class ShardedModule(nn.Module):
         see ``shardplan.generate.generate`` for the arguments.
 
         With ``kv_cache`` (the default) the model runs as its decode step
-        (``decoder``): the prompt once, then one token per step, each rank
+        (``decode_step``): the prompt once, then one token per step, each rank
         holding its heads of the K/V cache. A model with no decode step
         recomputes the whole prefix for every token, with a warning saying why.
         """
@@ -137,7 +137,7 @@ class ShardedModule(nn.Module):
                         gather=gather, step=step, **kwargs)
 
     def decode_step(self, batch: int, max_len: int,
-                captured: Captured | None = None) -> "ShardedModule":
+                    captured: Captured | None = None) -> "ShardedModule":
         """The parallelized decode step (``kvcache.decode_step``) of this model for ``batch``
         sequences of up to ``max_len`` tokens: its K/V caches split by heads, its
         parameters this module's own shards (not copies). Made once per (batch,
@@ -164,7 +164,8 @@ class ShardedModule(nn.Module):
         if not batch or not prompt or max_new_tokens < 1:
             return None  # generate() reports the bad arguments
         try:
-            return self.decode_step(batch, cache_length(self._source[0], prompt + max_new_tokens - 1))
+            length = cache_length(self._source[0], prompt + max_new_tokens - 1)
+            return self.decode_step(batch, length)
         except ShardplanError as e:  # no step, or one that cannot be captured or planned
             warnings.warn(f"generate: no K/V cache, the prefix is recomputed for every token: "
                           f"{e.what}", stacklevel=3)
@@ -189,10 +190,7 @@ class ShardedModule(nn.Module):
                     f"the decode step splits {fqn.removeprefix(prefix)} as "
                     f"{spec_of(mine).layout} but the model as {spec_of(theirs).layout}")
             self._tensors[fqn] = theirs
-        for gm in self._graphs.values():
-            bind(gm, self._tensors)
-        for name, t in self._graphs[self._last]._parameters.items():
-            self._parameters[name] = t
+        self._rebind()
 
     def _vocab_gather(self):
         """With gather_output=False: the function that turns this rank's part of the last
@@ -238,11 +236,15 @@ class ShardedModule(nn.Module):
             else:
                 with torch.no_grad():
                     current.copy_(value)
+        self._rebind()
+        self._decoders.clear()  # they read the tensors replaced above
+
+    def _rebind(self) -> None:
+        """Every graph (and this module's parameter list) reads ``_tensors`` again."""
         for gm in self._graphs.values():
             bind(gm, self._tensors)
         for name, t in self._graphs[self._last]._parameters.items():
             self._parameters[name] = t
-        self._decoders.clear()  # they read the tensors replaced above
 
     def _check_materialized(self, args, kwargs) -> None:
         if not any(t.is_meta for t in self._tensors.values()):
