@@ -167,19 +167,21 @@ def has_accelerate() -> bool:
 def warm_cached(sharded, ids: torch.Tensor, new: int):
     """Generate once untimed (building the decode step); the step, or an error if
     ``ShardedModule.generate`` fell back to recomputing the prefix."""
+    from shardplan.kvcache import cache_length
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         sharded.generate(ids, max_new_tokens=1 + new)
     fallback = [str(w.message) for w in caught if "no K/V cache" in str(w.message)]
-    if fallback or len(sharded._decoders) != 1:
+    if fallback:
         raise RuntimeError(f"ShardedModule.generate ran without its K/V cache: {fallback}")
-    return next(iter(sharded._decoders.values()))
+    # the step generate made for this length's bucket (made once: this returns it)
+    return sharded.decode_step(ids.shape[0], cache_length(sharded.source, ids.shape[1] + new))
 
 
 def kv_cache_bytes(decoder) -> int:
     """Bytes of the K/V cache tensors this rank's decode step holds (non-persistent
-    buffers: not in state_dict; ``_tensors`` holds every tensor its graphs bind)."""
-    return sum(t.nbytes for name, t in decoder._tensors.items() if "_cache_" in name)
+    buffers, not in its state_dict)."""
+    return sum(t.nbytes for name, t in decoder.rank_tensors.items() if "_cache_" in name)
 
 
 def kv_theory(tp: int, batch: int, slots: int) -> int:

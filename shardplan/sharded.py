@@ -99,6 +99,12 @@ class ShardedModule(nn.Module):
         return {fqn: spec_of(t).layout["tp"] for fqn, t in self._tensors.items()}
 
     @property
+    def rank_tensors(self) -> dict[str, torch.Tensor]:
+        """Every parameter/buffer FQN (each alias of a tied weight) -> this rank's tensor:
+        its shard, or the whole tensor where replicated (a decode step's caches included)."""
+        return dict(self._tensors)
+
+    @property
     def graph_module(self) -> fx.GraphModule:
         """The rewritten graph of the most recent way of calling (first: the example's)."""
         return self._graphs[self._last]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layouts import Shard
+from .shards import local_shape
 
 DISTRIBUTED, REPLICATED = "distributed", "replicated"
 
@@ -56,9 +56,6 @@ def cost_of(ann) -> Cost:
         if id(p) in seen:
             continue
         seen.add(id(p))
-        lay = ann.params.get(name)
-        shape = list(p.shape)
-        if isinstance(lay, Shard):
-            shape[lay.dim] = lay.local_size(shape[lay.dim], ann.tp)
-        params += math.prod(shape) * p.element_size()
+        params += math.prod(local_shape(tuple(p.shape), ann.params.get(name), ann.tp)) \
+            * p.element_size()
     return Cost(moved, params)
