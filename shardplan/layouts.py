@@ -14,6 +14,10 @@ concatenated. ``padded`` is the size ``dim`` is padded to before splitting
 (a vocabulary not divisible by tp); padding rows are zero. ``replicas`` > 1
 splits ``dim`` into tp/replicas parts, each held by ``replicas`` consecutive
 ranks (K/V heads fewer than tp: the ranks that share a head hold it).
+``period`` P says ``dim`` merges an outer count of any size (the batch,
+symbolic in a capture) with P inner elements, ``[B*H]`` of attention that
+folds its heads into the batch: the shard (and its blocks) applies within
+every run of P elements, so rank r holds its heads of every batch row.
 
 A ``MeshLayout`` is a placement per named mesh dimension, outer to inner
 (``dp=R,tp=S(0)``), as a DTensor's placement list is. A tensor of a sharded
@@ -23,8 +27,8 @@ attribute, set when its shard is made (``spec_of``, ``set_spec``).
 The text forms are the one codec of layouts: ``str()`` writes them
 (``R``, ``P``, ``S(0|32+32+32|pad128|x2)``, ``dp=R,tp=S(0)``) and
 ``Placement.parse`` / ``MeshLayout.parse`` read them back, raising
-``LayoutError`` for malformed text; ``to_json`` / ``from_json`` are the
-checkpoint index's form of a placement.
+``LayoutError`` for malformed text (``S(0|per4)`` is period 4); ``to_json`` /
+``from_json`` are the checkpoint index's form of a placement.
 """
 
 from __future__ import annotations
@@ -70,7 +74,8 @@ class Placement:
                 return Partial()
             if kind == "shard":
                 blocks = tuple(d["blocks"]) if d.get("blocks") else None
-                return Shard(int(d["dim"]), blocks, d.get("padded"), int(d.get("replicas", 1)))
+                return Shard(int(d["dim"]), blocks, d.get("padded"), int(d.get("replicas", 1)),
+                             d.get("period"))
         except (KeyError, TypeError, ValueError):
             pass
         raise LayoutError(f"not a layout: {d!r}",
@@ -98,6 +103,7 @@ class Shard(Placement):
     blocks: tuple[int, ...] | None = None
     padded: int | None = None
     replicas: int = 1
+    period: int | None = None
 
     def __post_init__(self):
         if self.blocks is not None:
@@ -108,13 +114,18 @@ class Shard(Placement):
                                                                 for b in self.blocks))),
                                ("padded", self.padded is None or (_is_int(self.padded)
                                                                   and self.padded > 0)),
-                               ("replicas", _is_int(self.replicas) and self.replicas > 0))
+                               ("replicas", _is_int(self.replicas) and self.replicas > 0),
+                               ("period", self.period is None or (
+                                   _is_int(self.period) and self.period > 0 and not self.padded
+                                   and sum(self.blocks or [self.period]) == self.period)))
                if not ok]
         if bad:
             raise LayoutError(f"Shard({self.dim!r}, blocks={self.blocks!r}, padded={self.padded!r}, "
-                              f"replicas={self.replicas!r}) has an invalid {' and '.join(bad)}",
+                              f"replicas={self.replicas!r}, period={self.period!r}) has an "
+                              f"invalid {' and '.join(bad)}",
                               fix="dim is an int; blocks a non-empty tuple of positive ints or "
-                                  "None; padded a positive int or None; replicas >= 1")
+                                  "None; padded a positive int or None; replicas >= 1; period "
+                                  "None or the blocks' sum, not padded")
 
     @classmethod
     def _parse(cls, text: str) -> Shard:
@@ -125,6 +136,8 @@ class Shard(Placement):
                 key, value = "padded", int(part[3:])
             elif re.fullmatch(r"x\d+", part):
                 key, value = "replicas", int(part[1:])
+            elif re.fullmatch(r"per\d+", part):
+                key, value = "period", int(part[3:])
             elif re.fullmatch(r"\d+(\+\d+)*", part):
                 key, value = "blocks", tuple(int(b) for b in part.split("+"))
             else:
@@ -136,7 +149,7 @@ class Shard(Placement):
             fields[key] = value
         if m is None:
             raise LayoutError(f"not a layout: {text!r}",
-                              fix='write "R", "P" or "S(dim[|b1+b2+..][|padN][|xR])", '
+                              fix='write "R", "P" or "S(dim[|b1+b2+..][|padN][|xR][|perN])", '
                                   'e.g. "S(0|32+32+32|pad128|x2)"')
         try:
             return cls(int(m.group(1)), **fields)
@@ -151,18 +164,25 @@ class Shard(Placement):
             extra += f"|pad{self.padded}"
         if self.replicas > 1:
             extra += f"|x{self.replicas}"
+        if self.period:
+            extra += f"|per{self.period}"
         return f"S({self.dim}{extra})"
 
     def to_json(self) -> dict:
-        return {"type": "shard", "dim": self.dim,
-                "blocks": list(self.blocks) if self.blocks else None,
-                "padded": self.padded, "replicas": self.replicas}
+        d = {"type": "shard", "dim": self.dim,
+             "blocks": list(self.blocks) if self.blocks else None,
+             "padded": self.padded, "replicas": self.replicas}
+        return {**d, "period": self.period} if self.period else d
 
     def local_size(self, full: int, tp: int) -> int:
         return (self.padded or full) * self.replicas // tp
 
     def slice(self, t: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
         """This rank's part of the full tensor ``t`` (a copy)."""
+        if self.period:  # [n*P] -> [n, P]: the shard applies to each run of P
+            d = self.dim % t.dim()
+            inner = Shard(d + 1, self.blocks, None, self.replicas)
+            return inner.slice(t.unflatten(d, (-1, self.period)), rank, tp).flatten(d, d + 1)
         if self.padded and self.padded > t.shape[self.dim]:
             pad = list(t.shape)
             pad[self.dim] = self.padded - t.shape[self.dim]
@@ -173,6 +193,12 @@ class Shard(Placement):
 
     def unshard(self, parts: list[torch.Tensor], full: int) -> torch.Tensor:
         """The full tensor from every rank's part (in rank order); drops padding."""
+        if self.period:
+            d = self.dim % parts[0].dim()
+            inner = Shard(d + 1, self.blocks, None, self.replicas)
+            local = self.local_size(self.period, len(parts))
+            runs = [p.unflatten(d, (-1, local)) for p in parts]
+            return inner.unshard(runs, self.period).flatten(d, d + 1)
         parts = parts[::self.replicas]
         tp = len(parts)
         if self.blocks:

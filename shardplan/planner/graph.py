@@ -111,6 +111,14 @@ def is_symbolic(d) -> bool:
     return not isinstance(d, int)
 
 
+def coefficient(d) -> int:
+    """The static factor of a size: ``d`` itself, 4 for a symbolic ``4*s0``, else 1."""
+    if isinstance(d, int):
+        return d
+    coeff = getattr(getattr(d, "node", None), "expr", d).as_coeff_Mul()[0]
+    return int(coeff) if coeff.is_Integer and coeff > 0 else 1
+
+
 def numel(node: fx.Node) -> int:
     """Elements of the (full-size) tensor ``node`` makes; 0 for a non-tensor."""
     s = shape(node)

@@ -12,43 +12,42 @@ from __future__ import annotations
 import math
 
 from ..layouts import Shard
+from .graph import coefficient, hint, is_symbolic
 
 
-def map_reshape(lay: Shard, src, dst, src_sym, dst_sym, tp) -> Shard | tuple[str, dict]:
-    """Where a shard of ``src`` lands in ``dst``, or ``(why not, Conflict fields)``."""
-    groups = reshape_groups(src, dst)
+def map_reshape(lay: Shard, src, dst, tp) -> Shard | tuple[str, dict]:
+    """Where a shard of ``src`` lands in ``dst`` (sizes: ints or symbolic), or
+    ``(why not, Conflict fields)``.
+
+    The sharded group, read in row-major order, repeats one *pattern*: the
+    sharded dim's blocks times the dims inside it. Dims outside it only repeat
+    the pattern, so they may be symbolic (the batch); the pattern itself must
+    be static. A ``dst`` dim that merges a symbolic count with the pattern
+    (``[B, H, T, D] -> [B*H, T, D]``) gets a shard with a ``period``.
+    """
+    src_h, dst_h = [hint(d) for d in src], [hint(d) for d in dst]
+    groups = reshape_groups(src_h, dst_h)
     if groups is None:
         return "reshape groups do not match", {}
-    for (a, b), (c, e) in groups:
-        if a <= lay.dim < b:
-            break
-    if any(src_sym[a:b]) or any(dst_sym[c:e]):
-        return "reshape mixes the sharded dim with batch/sequence dims", {}
+    (a, b), (c, e) = next(g for g in groups if g[0][0] <= lay.dim < g[0][1])
     if lay.padded:
         if (b - a, e - c) == (1, 1):
             return Shard(c, None, lay.padded)
         return "reshape of a padded dim", {}
-    parts = tp // lay.replicas
-    # the sharded group flattened into its blocks, in elements:
-    # [B, T, 3*H*D] blocks (H*D, H*D, H*D) -> flat [H*D, H*D, H*D]
-    inner = math.prod(src[lay.dim + 1:b])
-    flat = [blk * inner for _ in range(math.prod(src[a:lay.dim]))
-            for blk in (lay.blocks or [src[lay.dim]])]
+    pattern = _pattern(lay, src, b)
+    if pattern is None:
+        return "reshape mixes the sharded dim with batch/sequence dims", {}
+    period, parts = sum(pattern), tp // lay.replicas
     for j in range(c, e):  # try each dst dim of the group, outermost first
-        row = dst[j] * math.prod(dst[j + 1:e])  # elements of one index along dst[c:j]
-        inner_out = math.prod(dst[j + 1:e])  # elements of one index along dst[j]
-        rows, cur, ok = [], [], True
-        for blk in flat:
-            cur.append(blk)
-            if sum(cur) == row:
-                rows.append(cur)
-                cur = []
-            elif sum(cur) > row:
-                ok = False
-                break
-        if not ok or cur or any(r != rows[0] for r in rows):
+        if any(is_symbolic(x) for x in dst[j + 1:e]):
             continue
-        if any(blk % inner_out for blk in rows[0]):
+        inner_out = math.prod(dst_h[j + 1:e])  # elements of one index along dst[j]
+        merged = is_symbolic(dst[j])  # a symbolic count times whole patterns
+        if merged and (period % inner_out or j > c and coefficient(dst[j]) * inner_out % period):
+            continue
+        row = period if merged else dst_h[j] * inner_out  # elements of one index along dst[c:j]
+        rows = _rows(pattern, row)
+        if rows is None or any(blk % inner_out for blk in rows[0]):
             continue
         counts = [blk // inner_out for blk in rows[0]]  # indices of dst[j] per block
         if all(n == 1 for n in counts) and j < e - 1 and parts > 1:
@@ -56,12 +55,42 @@ def map_reshape(lay: Shard, src, dst, src_sym, dst_sym, tp) -> Shard | tuple[str
             # (held whole by every rank, the size-1 dim is one head: the shard stays on it)
         if any(n % parts for n in counts):  # the major dim carries the shard (heads): no
             needed = tp // math.gcd(counts[0], tp) if len(counts) == 1 else 1  # moving it inward
-            return (f"split of a sharded dim into {[dst[k] for k in range(c, e)]} does not "
+            return (f"split of a sharded dim into {[dst_h[k] for k in range(c, e)]} does not "
                     f"divide by tp={tp} (e.g. heads not divisible by tp)",
                     {"divisibility": True, "replicas": needed})
-        blocks = tuple(counts)
-        return Shard(j, blocks if len(blocks) > 1 else None, None, lay.replicas)
-    return f"reshape {list(src)} -> {list(dst)} cuts the shard", {}
+        blocks, per = tuple(counts) if len(counts) > 1 else None, None
+        if merged:  # equal blocks in every period are a shorter period
+            blocks = None if len(set(counts)) == 1 else blocks
+            per = sum(counts) if blocks else counts[0]
+        return Shard(j, blocks, None, lay.replicas, per)
+    return f"reshape {src_h} -> {dst_h} cuts the shard", {}
+
+
+def _pattern(lay: Shard, src, b: int) -> list[int] | None:
+    """One period of the shard in its reshape group, in elements: the sharded dim's blocks
+    times the static dims inside it (``[B, T, 3*H*D]`` by ``(H*D,)*3``: ``[H*D]*3``).
+    None where the period is not static: a symbolic dim inside it, or a symbolic sharded
+    dim that is not a batch count times a ``period``."""
+    d = lay.dim
+    if any(is_symbolic(x) for x in src[d + 1:b]) or is_symbolic(src[d]) and not lay.period:
+        return None
+    inner = math.prod(hint(x) for x in src[d + 1:b])
+    return [blk * inner for blk in (lay.blocks or [lay.period or hint(src[d])])]
+
+
+def _rows(pattern: list[int], row: int) -> list[list[int]] | None:
+    """The repeated pattern cut into runs of ``row`` elements, each made of whole blocks
+    and all alike; None if they are not."""
+    flat = pattern * (math.lcm(sum(pattern), row) // sum(pattern))
+    rows, cur = [], []
+    for blk in flat:
+        cur.append(blk)
+        if sum(cur) == row:
+            rows.append(cur)
+            cur = []
+        elif sum(cur) > row:
+            return None
+    return rows if not cur and all(r == rows[0] for r in rows) else None
 
 
 def reshape_groups(src, dst):

@@ -13,7 +13,7 @@ op-name suffix.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Callable, ClassVar
 
@@ -150,7 +150,7 @@ def replicated_like(node):
 
 
 def with_dim(lay: Shard, d: int) -> Shard:
-    return Shard(d, lay.blocks, lay.padded, lay.replicas)
+    return replace(lay, dim=d)
 
 
 def cumsum(xs):

@@ -101,14 +101,14 @@ def factor_rule(node, lays, labels, tp, *, partial_ok, shardable, rule) -> Outco
             if p not in labels:
                 return conflict(node, "sharded operand outside the op's signature")
             f = labels[p][lay.dim]
-            key = (lay.blocks, lay.padded, lay.replicas)
+            key = (lay.blocks, lay.padded, lay.replicas, lay.period)
             if lay.replicas > 1 and not rule.startswith("elementwise") and f not in labels["out"]:
                 return conflict(node, f"{op_name(node)} on a dim held by groups of ranks")
             if sharded.setdefault(f, key) != key:
                 return conflict(node, "operands sharded with different blocks")
     if len(sharded) > 1:
         return conflict(node, f"operands sharded on different dims ({', '.join(sharded)})")
-    (f, (blocks, padded, replicas)), = sharded.items()
+    (f, (blocks, padded, replicas, period)), = sharded.items()
     if shardable is not None and not (f in shardable or (f.startswith(".") and "." in shardable)):
         return conflict(node, f"factor {f!r} of {op_name(node)} cannot be sharded")
     needs, bias = {}, None
@@ -119,13 +119,14 @@ def factor_rule(node, lays, labels, tp, *, partial_ok, shardable, rule) -> Outco
         if size == 1:
             needs[p] = R
         elif size == sizes[f] or (sizes[f] % size == 0 and size % tp == 0
-                                  and not (blocks or padded)):
-            needs[p] = Shard(lab.index(f), blocks, padded, replicas)
+                                  and not (blocks or padded or period)):
+            needs[p] = Shard(lab.index(f), blocks, padded, replicas, period)
         else:
             return conflict(node, f"{op_name(node)}: operand {p} has {size} of the "
                                   f"{sizes[f]} along the sharded factor {f!r}")
     if f in labels["out"]:
-        return Outcome(Shard(labels["out"].index(f), blocks, padded, replicas), needs, rule=rule)
+        return Outcome(Shard(labels["out"].index(f), blocks, padded, replicas, period), needs,
+                       rule=rule)
     if not partial_ok or padded:
         return conflict(node, f"{op_name(node)} contracts the sharded factor {f!r}")
     for p, lab in labels.items():  # a bias: added to the output (not grouped_mm's offsets)

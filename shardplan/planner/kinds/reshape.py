@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..graph import args_of, hint, is_symbolic, op_name, shape
+from ..graph import args_of, hint, op_name, shape
 from ..reshape import map_reshape, reshape_groups
 from ...layouts import Shard
 from .equation import _labels as einsum_labels
@@ -36,15 +36,12 @@ class ReshapeKind(Kind):
 
     def rule(self, node, lays, ctx: Context) -> Outcome:
         lay = lays[(0,)]
-        src, dst = shape(node.args[0]), shape(node)
-        src_h, src_sym = [hint(d) for d in src], [is_symbolic(d) for d in src]
+        src, dst = list(shape(node.args[0])), shape(node)
         if lay.replicas > 1 and _merges_expanded_copies(node, lay, ctx):
             d = lay.dim  # the copies of each part are split between the ranks holding it
-            src_h[d:d + 2] = [src_h[d] * src_h[d + 1]]  # [B, KV, n, T, D] -> [B, KV*n, T, D]
-            src_sym[d:d + 2] = [False]
+            src[d:d + 2] = [hint(src[d]) * hint(src[d + 1])]  # [B, KV, n, T, D] -> [B, KV*n, T, D]
             lay = Shard(d)
-        res = map_reshape(lay, src_h, [hint(d) for d in dst], src_sym,
-                          [is_symbolic(d) for d in dst], ctx.tp)
+        res = map_reshape(lay, src, dst, ctx.tp)
         if isinstance(res, Shard) and lay.replicas == 1 and _one_head_split(node, lay, res, ctx):
             return Outcome(None, conflict=Conflict(  # hold the one head on every rank
                 node, "one head (a new size-1 dim) broadcast against more heads later",
