@@ -34,7 +34,7 @@ class SplitKind(Kind):
             d = lay.dim - (1 if op_name(node) in _DROPS_DIM and lay.dim > dim else 0)
             return Outcome(tuple(with_dim(lay, d) for _ in pieces), rule="split (other dim)")
         sizes = [hint(p[dim]) for p in pieces]
-        groups = group_blocks(lay, sizes) if lay.replicas == 1 else None
+        groups = group_blocks(lay, sizes) if lay.replicas == 1 and not lay.period else None
         if groups is None:
             return conflict(node, f"split {sizes} across the sharded dim does not follow its "
                                   f"blocks {lay.blocks}")
@@ -72,6 +72,9 @@ class SliceKind(Kind):
         start, stop = _range(node, full)
         if start is None:
             return conflict(node, "strided slice on the sharded dim")
+        if lay.period:  # batch rows and heads in one dim: only the whole of it
+            return Outcome(lay, rule="slice (all of it)") if (start, stop) == (0, full) else \
+                conflict(node, f"slice [{start}:{stop}] of a dim merging batch and heads")
         bounds = [0, *cumsum(lay.blocks or [full])]
         if start not in bounds or stop not in bounds or lay.padded or lay.replicas > 1:
             return conflict(node, f"slice [{start}:{stop}] cuts a block of the sharded dim")
@@ -87,7 +90,8 @@ class SliceKind(Kind):
 
     def local_args(self, node, src, out, tp, divide) -> dict:
         args = args_of(node)
-        if op_name(node) in _DROPS_DIM or args["dim"] % len(shape(node.args[0])) != src.dim:
+        if op_name(node) in _DROPS_DIM or args["dim"] % len(shape(node.args[0])) != src.dim \
+                or src.period:  # the whole dim: nothing to change
             return {}
         start, stop = _range(node, hint(shape(node.args[0])[src.dim]))
         if "length" in args:
@@ -126,7 +130,7 @@ class ConcatKind(Kind):
             return Outcome(ls[0], rule="cat (other dim)")
         blocks = []
         for lay, (_, a) in zip(ls, operands(node)):
-            if lay.padded:
-                return conflict(node, "cat of padded shards")
+            if lay.padded or lay.period:
+                return conflict(node, "cat of padded shards, or of dims merging batch and heads")
             blocks.extend(lay.blocks or [hint(shape(a)[dim])])
         return Outcome(Shard(dim, tuple(blocks)), rule="cat (sharded dim: blocks)")

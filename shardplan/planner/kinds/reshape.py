@@ -8,9 +8,11 @@ becomes the local one: ``view(x, [B, T, 12, 64])`` on rank r of tp=4 holding
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
-from ..graph import args_of, hint, op_name, shape
+from ..graph import args_of, hint, is_symbolic, op_name, shape
 from ..reshape import map_reshape, reshape_groups
 from ...layouts import Shard
 from .equation import _labels as einsum_labels
@@ -106,6 +108,28 @@ class ExpandKind(Kind):
             sizes[j + 1] = (s if s == -1 else s // out.replicas) if isinstance(s, int) \
                 else divide(s, out.replicas)
         return {"size": sizes}
+
+
+@register
+class RepeatKind(Kind):
+    """repeat: a shard moves with its dim (new leading dims shift it); a sharded dim
+    repeated (DeBERTa's per-head position keys for every batch row: ``[H, R, D] ->
+    [B*H, R, D]``) holds the shard in every copy, a ``period`` of the dim's size. The
+    repeat counts stay as they are: this rank's part, repeated, is its part of the result."""
+
+    name = "repeat"
+    ops = frozenset({"aten.repeat.default"})
+
+    def rule(self, node, lays, ctx: Context) -> Outcome:
+        lay = lays[(0,)]
+        repeats, size = args_of(node)["repeats"], shape(node.args[0])[lay.dim]
+        d = lay.dim + len(repeats) - len(shape(node.args[0]))
+        if isinstance(repeats[d], int) and repeats[d] == 1:
+            return Outcome(with_dim(lay, d), rule="repeat (other dims)")
+        if lay.padded or is_symbolic(size):
+            return conflict(node, "repeat of a padded or symbolic sharded dim")
+        return Outcome(replace(lay, dim=d, period=lay.period or hint(size)),
+                       rule="repeat (the shard in every copy)")
 
 
 def _merges_expanded_copies(node, lay: Shard, ctx: Context) -> bool:
