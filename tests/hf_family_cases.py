@@ -1,5 +1,6 @@
 """Tiny Hugging Face models of the families with MoE experts, fused multi-query
-attention and sliced fused QKV (random weights, nothing downloaded)."""
+attention, sliced fused QKV and attention with its heads merged into the batch dim
+(random weights, nothing downloaded)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,16 @@ CONFIGS = {
     "phi3": ("Phi3Config", dict(
         hidden_size=32, num_attention_heads=4, num_key_value_heads=4, intermediate_size=32,
         pad_token_id=0)),
+    # heads merged into the batch dim ([B*H, T, D], bmm): BLOOM with its ALiBi bias,
+    # XGLM, DeBERTa-v2 with relative positions (its position keys repeated per batch row)
+    "bloom": ("BloomConfig", dict(hidden_size=32, n_head=4)),
+    "xglm": ("XGLMConfig", dict(d_model=32, attention_heads=4, ffn_dim=32, pad_token_id=1)),
+    "deberta_v2": ("DebertaV2Config", dict(
+        hidden_size=32, num_attention_heads=4, intermediate_size=32, relative_attention=True,
+        pos_att_type=["p2c", "c2p"], position_buckets=8, share_att_key=True,
+        position_biased_input=False)),
 }
+MASKED_LM = {"deberta_v2"}
 FAMILIES = list(CONFIGS)
 
 
@@ -44,7 +54,8 @@ def build(family: str) -> torch.nn.Module:
                            bos_token_id=0, eos_token_id=0, use_cache=False, **sizes)
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
-    return tf.AutoModelForCausalLM.from_config(cfg).eval()
+    auto = tf.AutoModelForMaskedLM if family in MASKED_LM else tf.AutoModelForCausalLM
+    return auto.from_config(cfg).eval()
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,7 +1,8 @@
-"""Hugging Face Mixtral, Qwen2-MoE, Falcon and Phi-3 (tiny, random weights) at tp 2 and 4 on
-simulated ranks: every rank's logits, loss and every gradient copy equal the unsharded
-model's, and the experts, MLPs and fused projections are really split (layouts, and the
-parameter elements each rank holds)."""
+"""Hugging Face Mixtral, Qwen2-MoE, Falcon, Phi-3, BLOOM, XGLM and DeBERTa-v2 (tiny, random
+weights) at tp 2 and 4 on simulated ranks: every rank's logits, loss and every gradient copy
+equal the unsharded model's, and the experts, MLPs, fused projections and attention with
+heads merged into the batch dim are really split (layouts, and the parameter elements each
+rank holds)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ def expected(family: str, tp: int) -> dict:
                "model.layers.0.mlp.experts.down_proj": "S(2)",  # (E, H, I)
                "model.layers.0.mlp.gate.weight": "R"}  # the router
     m = "model.layers.0.mlp.shared_expert"
+    b, x, d = "transformer.h.0.", "model.layers.0.", "deberta.encoder.layer.0."
     return {
         "mixtral": {**attention, **experts},
         "mixtral_batched_mm": {**attention, **experts},
@@ -49,13 +51,27 @@ def expected(family: str, tp: int) -> dict:
         "phi3": {a + "qkv_proj.weight": "S(0|32+32+32)", a + "o_proj.weight": "S(1)",
                  "model.layers.0.mlp.gate_up_proj.weight": "S(0|32+32)",
                  "model.layers.0.mlp.down_proj.weight": "S(1)"},
+        # heads interleaved per head in the fused QKV: a plain split by heads
+        "bloom": {b + "self_attention.query_key_value.weight": "S(0)",
+                  b + "self_attention.dense.weight": "S(1)",
+                  b + "mlp.dense_h_to_4h.weight": "S(0)", b + "mlp.dense_4h_to_h.weight": "S(1)"},
+        "xglm": {x + "self_attn.q_proj.weight": "S(0)", x + "self_attn.k_proj.weight": "S(0)",
+                 x + "self_attn.v_proj.weight": "S(0)", x + "self_attn.out_proj.weight": "S(1)",
+                 x + "fc1.weight": "S(0)", x + "fc2.weight": "S(1)"},
+        # the MLM transform (dense -> gelu -> LayerNorm) stays whole, as for BERT
+        "deberta_v2": {d + "attention.self.query_proj.weight": "S(0)",
+                       d + "attention.self.key_proj.weight": "S(0)",
+                       d + "attention.self.value_proj.weight": "S(0)",
+                       d + "attention.output.dense.weight": "S(1)",
+                       d + "intermediate.dense.weight": "S(0)", d + "output.dense.weight": "S(1)",
+                       "cls.predictions.transform.dense.weight": "R"},
     }[family]
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "falcon_mqa", "falcon_gqa", "phi3",
-                                    "mixtral_batched_mm"])
+                                    "mixtral_batched_mm", "bloom", "xglm", "deberta_v2"])
 def test_family_is_sharded_and_equal(family, tp):
     model, kw = build(family), inputs()
     results = SimulatedRanks(tp).run(step, model, kw, True, captured(family))
