@@ -15,7 +15,9 @@ from shardplan.layouts import (MeshLayout, ParallelSpec, Partial, Placement, Rep
 SHARDS = [Shard(dim, blocks, padded, replicas)
           for dim, blocks, padded, replicas in itertools.product(
               (0, 2, -1), (None, (32,), (3072, 1024, 1024)), (None, 128), (1, 2))]
-PLACEMENTS = [Replicate(), Partial(), *SHARDS]
+# a dim merging a batch of any size with 4 heads (or a 4 + 8 blocked period, by pairs of ranks)
+PERIODIC = [Shard(0, period=4), Shard(-1, (4, 8), None, 2, 12)]
+PLACEMENTS = [Replicate(), Partial(), *SHARDS, *PERIODIC]
 
 
 @pytest.mark.parametrize("p", PLACEMENTS, ids=str)
@@ -34,6 +36,7 @@ def test_text_forms():
         ["R", "P", "S(0)", "S(-1|pad50264)"]
     assert str(Shard(0, (32, 32, 32), 128, 2)) == "S(0|32+32+32|pad128|x2)"
     assert Placement.parse(" S(1|x2|pad8) ") == Shard(1, None, 8, 2)  # fields in any order
+    assert str(Shard(0, period=4)) == "S(0|per4)"
 
 
 @pytest.mark.parametrize("text", ["", "Q(1)", "S()", "S(a)", "S(0", "S(0|)", "S(0|pad)",
@@ -57,6 +60,25 @@ def test_invalid_shard_fields():
     with pytest.raises(LayoutError, match="invalid blocks"):
         Shard(0, ())
     assert Shard(0, [4, 4]) == Shard(0, (4, 4))  # blocks are kept as a tuple (hashable)
+    with pytest.raises(LayoutError, match="invalid period"):
+        Shard(0, (4, 4), period=4)  # the blocks are one period
+    with pytest.raises(LayoutError, match="invalid period"):
+        Shard(0, None, 8, period=8)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_period_holds_this_ranks_heads_of_every_batch_row(tp):
+    """``S(0|per4)`` of ``[B*4, T]`` (attention's heads merged into the batch) is, on rank r,
+    the r-th slice of the 4 heads of each of the B rows; ``unshard`` puts them back."""
+    b, heads, t = 3, 4, 5
+    full = torch.randn(b * heads, t)
+    lay, n = Shard(0, period=heads), heads // tp
+    parts = [lay.slice(full, r, tp) for r in range(tp)]
+    for r, part in enumerate(parts):
+        want = full.view(b, heads, t)[:, r * n:(r + 1) * n].reshape(b * n, t)
+        assert torch.equal(part, want)
+        assert lay.local_size(b * heads, tp) == part.shape[0]
+    assert torch.equal(lay.unshard(parts, b * heads), full)
 
 
 @pytest.mark.parametrize("layout", [MeshLayout.of(tp=p) for p in PLACEMENTS[:4]]

@@ -269,6 +269,9 @@ def test_bloom_batch_1_and_length_1_after_batch_3():
     layouts = results[0][1]
     assert isinstance(layouts["transformer.h.0.mlp.dense_h_to_4h.weight"], Shard)
     assert isinstance(layouts["transformer.h.0.mlp.dense_4h_to_h.weight"], Shard)
+    # its attention too (heads merged into the batch dim, at batch 3, 1 and length 1)
+    assert str(layouts["transformer.h.0.self_attention.query_key_value.weight"]) == "S(0)"
+    assert str(layouts["transformer.h.0.self_attention.dense.weight"]) == "S(1)"
 
 
 class BranchOnBatchOne(nn.Module):
