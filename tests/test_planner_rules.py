@@ -53,6 +53,25 @@ def test_per_head_constants_are_sliced_to_this_ranks_heads():
     _check(TinyLM(heads=8, kv_heads=4, alibi=True), 4)
 
 
+def test_reshape_follows_heads_through_a_symbolic_batch():
+    """Heads merged with a symbolic batch get a period (rank r: its heads of every row) and
+    come back out of it; a static batch keeps the blocks it always had; a split sequence
+    merged with the batch is no contiguous part and is refused."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from shardplan.layouts import Shard
+    from shardplan.planner.reshape import map_reshape
+    env = ShapeEnv()
+    b, t = (env.create_symintnode(env.create_symbol(h, ConstantSource(n)), hint=h)
+            for n, h in (("B", 3), ("T", 5)))
+    assert map_reshape(Shard(1), [b, 4, t, 8], [4 * b, t, 8], 2) == Shard(0, period=4)
+    assert map_reshape(Shard(0, period=4), [4 * b, t, t], [b, 4, t, t], 2) == Shard(1)
+    # [B*4] as [B*2, 2]: head h of row i is at (2i + h // 2, h % 2); rank 0 holds heads 0, 1
+    assert map_reshape(Shard(0, period=4), [4 * b, t], [2 * b, 2, t], 2) == Shard(0, period=2)
+    assert map_reshape(Shard(1), [2, 4, t], [8, t], 2) == Shard(0, (4, 4))
+    assert map_reshape(Shard(1), [b, t, 8], [b * t, 8], 2)[0].startswith("reshape mixes")
+
+
 def test_region_that_cannot_close_stays_replicated():
     """cumsum has no rule: its region stays replicated (a warning; an error under
     strict), and stays correct."""
