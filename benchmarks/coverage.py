@@ -230,21 +230,39 @@ def _unique(items) -> list[str]:
 
 def replicated_gemms(model, plan) -> list[str]:
     """Weights of layer GEMMs (attention, MLP, experts; not norms, embeddings, routers: 2-D
-    with a dim of the expert count) left whole on every rank."""
+    with a dim of the expert count; not a GEMM narrower than tp) left whole on every rank."""
     import torch.nn as nn
     n_experts = next((getattr(model.config, k) for k in ("num_experts", "num_local_experts",
                                                           "n_routed_experts", "moe_num_experts")
                       if isinstance(getattr(model.config, k, None), int)), None)
     owners = {f"{m}.{p}" if m else p: mod for m, mod in model.named_modules()
               for p, _ in mod.named_parameters(recurse=False)}
+    narrow = narrower_than_tp(plan)
     out = []
     for entry in plan.params:
         mod = owners.get(entry.name)
         if (entry.layout != "R" or len(entry.global_shape) < 2 or not LAYER.match(entry.name)
                 or isinstance(mod, nn.Embedding) or "norm" in type(mod).__name__.lower()
-                or (len(entry.global_shape) == 2 and n_experts in entry.global_shape)):
+                or (len(entry.global_shape) == 2 and n_experts in entry.global_shape)
+                or entry.name.rpartition(".")[0] in narrow):
             continue
         out.append(entry.name)
+    return out
+
+
+#: the plan's reason for a GEMM whose output does not split into tp parts
+#: (``planner.annotate._too_narrow``)
+TOO_NARROW = re.compile(r"^output size (\d+) does not divide by tp=(\d+)")
+
+
+def narrower_than_tp(plan) -> set[str]:
+    """Modules the plan keeps whole because their GEMM's output is narrower than tp (a
+    1-wide gate): by design, as routers, by the plan's own reason for the decision."""
+    out = set()
+    for d in plan.decisions:
+        m = TOO_NARROW.match(d.rule) if d.role == "replicated" else None
+        if m and int(m.group(1)) < int(m.group(2)):
+            out.add(d.module)
     return out
 
 
@@ -399,6 +417,9 @@ def document(results, selection: str, load: tuple, wall_s: float) -> str:
         f" inputs `input_ids` and `labels` ({BATCH}x{SEQ}; `decoder_input_ids` for seq2seq).",
         "- `equal+sharded`: `verify` equal (outputs, loss, every gradient) and every layer GEMM "
         "weight (attention, MLP, experts; not norms, embeddings or routers) split. "
+        "A GEMM whose output is narrower than tp (Qwen2-MoE's 1-wide `shared_expert_gate`) is "
+        "held whole by design, as routers are: the plan's decision says so (`output size 1 does "
+        "not divide by tp=2`), and the survey reads that reason, not the module's name. "
         "`equal+replicated`: equal, but the listed weights stay whole on every rank (the reason "
         "is the plan's decision or warning). `refused`: `plan` raised a `ShardplanError`. "
         "`crash`: any other exception, or an error while verifying. `mismatch`: `verify` not "
