@@ -64,6 +64,9 @@ SHRINK = {
     "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "first_k_dense_replace": 1,
     "n_group": 1, "topk_group": 1, "sliding_window": 64, "use_cache": False,
 }
+# sizes a family's default config leaves None although its modeling code reads them
+# (DeepSeek-V2's top-k and expert groups): given the tiny value all the same
+REQUIRED = {"num_experts_per_tok", "n_group", "topk_group"}
 KV_HEADS = ["num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num",
             "kv_n_heads"]
 NON_TEXT = re.compile(r"vision|audio|speech|image|visual|vq|text_config|encoder_config")
@@ -108,11 +111,12 @@ def tiny_config(model_type: str):
 
 def shrunk(attrs: dict) -> dict:
     """Tiny values for the size attributes present in ``attrs`` (a config's ``to_dict()``)."""
-    overrides = {k: v for k, v in SHRINK.items() if attrs.get(k) is not None}
+    overrides = {k: v for k, v in SHRINK.items()
+                 if attrs.get(k) is not None or (k in attrs and k in REQUIRED)}
     if attrs.get("qk_rope_head_dim") is not None and "head_dim" in overrides:
         overrides["head_dim"] = SHRINK["qk_rope_head_dim"]  # MLA: head_dim is the rotary part
     for k in KV_HEADS:
-        if attrs.get(k) is not None:
+        if k in attrs:  # None (Nemotron's default) is read as a count too
             if attrs.get("kv_lora_rank") is not None:  # MLA expands K/V to every head
                 overrides[k] = SHRINK["num_attention_heads"]
             else:  # keep multi-query families multi-query
