@@ -1,5 +1,6 @@
 """Tiny Hugging Face models of the families with MoE experts, fused multi-query
-attention and sliced fused QKV (random weights, nothing downloaded)."""
+attention, sliced fused QKV, attention sinks and multi-head latent attention
+(random weights, nothing downloaded)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,20 @@ CONFIGS = {
     "phi3": ("Phi3Config", dict(
         hidden_size=32, num_attention_heads=4, num_key_value_heads=4, intermediate_size=32,
         pad_token_id=0)),
+    # attention sinks (a logit per head joined to the scores), interleaved gate | up experts
+    "gpt_oss": ("GptOssConfig", dict(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+        layer_types=["full_attention"], rope_parameters={"rope_type": "default",
+                                                        "rope_theta": 10000.0})),
+    # multi-head latent attention (low-rank q and k/v, interleaved rotary), routed and
+    # shared experts
+    "deepseek_v3": ("DeepseekV3Config", dict(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=4, intermediate_size=32,
+        moe_intermediate_size=16, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=8, head_dim=8, n_routed_experts=4,
+        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=0,
+        n_shared_experts=1)),
 }
 FAMILIES = list(CONFIGS)
 

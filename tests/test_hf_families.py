@@ -1,7 +1,8 @@
-"""Hugging Face Mixtral, Qwen2-MoE, Falcon and Phi-3 (tiny, random weights) at tp 2 and 4 on
-simulated ranks: every rank's logits, loss and every gradient copy equal the unsharded
-model's, and the experts, MLPs and fused projections are really split (layouts, and the
-parameter elements each rank holds)."""
+"""Hugging Face Mixtral, Qwen2-MoE, Falcon, Phi-3, GPT-OSS and DeepSeek-V3 (tiny, random
+weights) at tp 2 and 4 on simulated ranks: every rank's logits, loss and every gradient
+copy equal the unsharded model's, and the experts, MLPs, fused projections, attention
+sinks and latent attention's b-projections are really split (layouts, and the parameter
+elements each rank holds)."""
 
 from __future__ import annotations
 
@@ -49,13 +50,32 @@ def expected(family: str, tp: int) -> dict:
         "phi3": {a + "qkv_proj.weight": "S(0|32+32+32)", a + "o_proj.weight": "S(1)",
                  "model.layers.0.mlp.gate_up_proj.weight": "S(0|32+32)",
                  "model.layers.0.mlp.down_proj.weight": "S(1)"},
+        "gpt_oss": {
+            **attention, a + "q_proj.bias": "S(0)", a + "k_proj.bias": kv(tp),
+            a + "o_proj.bias": "R",
+            a + "sinks": "S(0)",  # a logit per head: split with the heads, not sliced per step
+            "model.layers.0.mlp.router.weight": "R",
+            # (E, H, 2I), gate and up interleaved: each rank whole (gate, up) pairs
+            "model.layers.0.mlp.experts.gate_up_proj": "S(2)",
+            "model.layers.0.mlp.experts.gate_up_proj_bias": "S(1)",
+            "model.layers.0.mlp.experts.down_proj": "S(1)",  # (E, I, H)
+            "model.layers.0.mlp.experts.down_proj_bias": "R"},
+        "deepseek_v3": {
+            # Megatron's MLA: the low-rank a-projections whole, the b-projections by heads
+            a + "q_a_proj.weight": "R", a + "kv_a_proj_with_mqa.weight": "R",
+            a + "q_b_proj.weight": "S(0)", a + "kv_b_proj.weight": "S(0)",
+            a + "o_proj.weight": "S(1)",
+            **{k: v.replace("32+32", "16+16") for k, v in experts.items()},
+            "model.layers.0.mlp.shared_experts.gate_proj.weight": "S(0)",
+            "model.layers.0.mlp.shared_experts.up_proj.weight": "S(0)",
+            "model.layers.0.mlp.shared_experts.down_proj.weight": "S(1)"},
     }[family]
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "falcon_mqa", "falcon_gqa", "phi3",
-                                    "mixtral_batched_mm"])
+                                    "mixtral_batched_mm", "gpt_oss", "deepseek_v3"])
 def test_family_is_sharded_and_equal(family, tp):
     model, kw = build(family), inputs()
     results = SimulatedRanks(tp).run(step, model, kw, True, captured(family))
@@ -75,6 +95,7 @@ def test_family_is_sharded_and_equal(family, tp):
         assert not plan.warnings, plan.warnings
     if family.startswith(("mixtral", "qwen2_moe")):
         assert_params_per_rank(model, plan, tp)
+    if family.startswith(("mixtral", "qwen2_moe", "deepseek_v3")):
         # Megatron's one g per MoE layer (b*s*h), after the experts' combine and the
         # shared expert's sum: not one per top-k copy, nor one per expert kind
         g = [c for c in plan.collectives if c.purpose == "g" and ".mlp" in c.module]
