@@ -144,6 +144,9 @@ def build(model_type: str, class_name: str):
         # rope_theta its attention config lacks, and clamps with clip_qkv=None
         cfg.attn_config.rope_theta = cfg.rope_parameters["rope_theta"]
         cfg.attn_config.clip_qkv = 8.0  # the released DBRX's value
+        # its default of 1 K/V head is not the released model's grouped-query attention
+        # (8 K/V heads of 48): 2 of 4, as for the other grouped-query families
+        cfg.attn_config.kv_n_heads = 2
     cls = getattr(transformers, class_name, None)
     if cls is None:
         raise NotBuilt(f"transformers exports no {class_name}")

@@ -1,5 +1,5 @@
-"""Hugging Face Mixtral, Qwen2-MoE, Falcon, Phi-3, GPT-OSS and DeepSeek-V3 (tiny, random
-weights) at tp 2 and 4 on simulated ranks: every rank's logits, loss and every gradient
+"""Hugging Face Mixtral, Qwen2-MoE, Falcon, Phi-3, GPT-OSS, DeepSeek-V3 and DBRX (tiny,
+random weights) at tp 2 and 4 on simulated ranks: every rank's logits, loss and every gradient
 copy equal the unsharded model's, and the experts, MLPs, fused projections, attention
 sinks and latent attention's b-projections are really split (layouts, and the parameter
 elements each rank holds)."""
@@ -69,13 +69,19 @@ def expected(family: str, tp: int) -> dict:
             "model.layers.0.mlp.shared_experts.gate_proj.weight": "S(0)",
             "model.layers.0.mlp.shared_experts.up_proj.weight": "S(0)",
             "model.layers.0.mlp.shared_experts.down_proj.weight": "S(1)"},
+        "dbrx": {  # (E * F, H): every expert's F rows split alike
+            "transformer.blocks.0.norm_attn_norm.attn.Wqkv.weight": "S(0|32+32+32)",
+            "transformer.blocks.0.norm_attn_norm.attn.out_proj.weight": "S(1)",
+            "transformer.blocks.0.ffn.router.layer.weight": "R",
+            **{f"transformer.blocks.0.ffn.experts.mlp.{w}": "S(0|32+32+32+32)"
+               for w in ("w1", "v1", "w2")}},
     }[family]
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "falcon_mqa", "falcon_gqa", "phi3",
-                                    "mixtral_batched_mm", "gpt_oss", "deepseek_v3"])
+                                    "mixtral_batched_mm", "gpt_oss", "deepseek_v3", "dbrx"])
 def test_family_is_sharded_and_equal(family, tp):
     model, kw = build(family), inputs()
     results = SimulatedRanks(tp).run(step, model, kw, True, captured(family))
@@ -95,10 +101,11 @@ def test_family_is_sharded_and_equal(family, tp):
         assert not plan.warnings, plan.warnings
     if family.startswith(("mixtral", "qwen2_moe")):
         assert_params_per_rank(model, plan, tp)
-    if family.startswith(("mixtral", "qwen2_moe", "deepseek_v3")):
+    if family.startswith(("mixtral", "qwen2_moe", "deepseek_v3", "dbrx")):
         # Megatron's one g per MoE layer (b*s*h), after the experts' combine and the
         # shared expert's sum: not one per top-k copy, nor one per expert kind
-        g = [c for c in plan.collectives if c.purpose == "g" and ".mlp" in c.module]
+        g = [c for c in plan.collectives
+             if c.purpose == "g" and (".mlp" in c.module or ".ffn" in c.module)]
         assert [c.elements for c in g] == [plan.tokens * model.config.hidden_size], g
         # and its f before the tokens are copied k times: no f is larger than b*s*h
         f = [c.elements for c in plan.collectives if c.purpose == "f"]

@@ -41,9 +41,9 @@ from ..errors import ConfigurationError, DivisibilityError, LayoutError, Shardpl
 from ..layouts import Partial, Replicate, Shard
 from .graph import args_of, describe, floating, hint, op_name, operand, operands, shape
 from .kinds import KINDS, Conflict, Context, Outcome, Role
-from .kinds.base import any_sharded, replicated_like, with_dim
+from .kinds.base import any_sharded, replicated_like
 from .kinds.factors import labels
-from .kinds.permute import viewed_parameter
+from .kinds.permute import experts_view, parameter_layout, viewed_parameter
 from .linear_chains import earlier_f, pass_partials
 from .reshape import keeps_last_dim
 from .split_params import split_parameter
@@ -298,7 +298,8 @@ class _Pass:
             outcome.conflict.origins = outcome.conflict.origins or origins
             self.conflicts.append(outcome.conflict)
             outcome = Outcome(replicated_like(node), rule="conflict")
-        if viewed_parameter(node) is None:  # a weight's view: its consumers say how it is held
+        if viewed_parameter(node) is None and experts_view(node) is None:
+            # not a weight's view: a view's consumers say how the weight is held
             self._params_needed(node, ins, outcome, origins)
         self.outcomes[node] = outcome
         self.layouts[node] = outcome.out
@@ -324,12 +325,13 @@ class _Pass:
                     self.wanted.update({n: (lay, param) for n, lay in found.items()})
             view = viewed_parameter(a)
             if view is not None:
-                a, perm = view
-                if isinstance(need, Shard) and perm[need.dim] is None:
+                held = parameter_layout(a, need) if isinstance(need, Shard) else R
+                a = view[0]
+                if held is None:
                     self.conflicts.append(Conflict(
                         node, f"{a.target}'s gathered rows are needed split", origins | {node}))
                     continue
-                need = with_dim(need, perm[need.dim]) if isinstance(need, Shard) else R
+                need = held
             if a.op != "get_attr":
                 continue
             have = self.param_layouts.get(a.target)
