@@ -239,9 +239,12 @@ def replicated_gemms(model, plan) -> list[str]:
     """Weights of layer GEMMs (attention, MLP, experts; not norms, embeddings, routers: 2-D
     with a dim of the expert count; not a GEMM narrower than tp) left whole on every rank."""
     import torch.nn as nn
-    n_experts = next((getattr(model.config, k) for k in ("num_experts", "num_local_experts",
-                                                          "n_routed_experts", "moe_num_experts")
-                      if isinstance(getattr(model.config, k, None), int)), None)
+    from transformers import PretrainedConfig
+    configs = [model.config, *(v for v in vars(model.config).values()  # DBRX's ffn_config
+                               if isinstance(v, PretrainedConfig))]
+    n_experts = next((getattr(c, k) for c in configs for k in (
+        "num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+        if isinstance(getattr(c, k, None), int)), None)
     owners = {f"{m}.{p}" if m else p: mod for m, mod in model.named_modules()
               for p, _ in mod.named_parameters(recurse=False)}
     narrow = narrower_than_tp(plan)
