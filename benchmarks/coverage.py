@@ -422,7 +422,8 @@ def document(results, selection: str, load: tuple, wall_s: float) -> str:
         f"{summary(results)}.**", "",
         "How to read it:", "",
         "- Each family's default config with hidden 64, 2 layers (2 + 2 in an encoder-decoder), "
-        "4 heads, 2 KV heads (1 where the family defaults to multi-query), head dim 16, "
+        "4 heads, 2 KV heads (1 where the family defaults to multi-query; DBRX, whose "
+        "default of 1 is not the released model's, 2), head dim 16, "
         f"intermediate 128, vocab {VOCAB}, 4 experts with top-2, eager attention, `use_cache=False`;"
         f" inputs `input_ids` and `labels` ({BATCH}x{SEQ}; `decoder_input_ids` for seq2seq).",
         "- `equal+sharded`: `verify` equal (outputs, loss, every gradient) and every layer GEMM "
