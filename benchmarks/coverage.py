@@ -64,6 +64,9 @@ SHRINK = {
     "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "first_k_dense_replace": 1,
     "n_group": 1, "topk_group": 1, "sliding_window": 64, "use_cache": False,
 }
+# sizes a family's default config leaves None although its modeling code reads them
+# (DeepSeek-V2's top-k and expert groups): given the tiny value all the same
+REQUIRED = {"num_experts_per_tok", "n_group", "topk_group"}
 KV_HEADS = ["num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num",
             "kv_n_heads"]
 NON_TEXT = re.compile(r"vision|audio|speech|image|visual|vq|text_config|encoder_config")
@@ -108,11 +111,12 @@ def tiny_config(model_type: str):
 
 def shrunk(attrs: dict) -> dict:
     """Tiny values for the size attributes present in ``attrs`` (a config's ``to_dict()``)."""
-    overrides = {k: v for k, v in SHRINK.items() if attrs.get(k) is not None}
+    overrides = {k: v for k, v in SHRINK.items()
+                 if attrs.get(k) is not None or (k in attrs and k in REQUIRED)}
     if attrs.get("qk_rope_head_dim") is not None and "head_dim" in overrides:
         overrides["head_dim"] = SHRINK["qk_rope_head_dim"]  # MLA: head_dim is the rotary part
     for k in KV_HEADS:
-        if attrs.get(k) is not None:
+        if k in attrs:  # None (Nemotron's default) is read as a count too
             if attrs.get("kv_lora_rank") is not None:  # MLA expands K/V to every head
                 overrides[k] = SHRINK["num_attention_heads"]
             else:  # keep multi-query families multi-query
@@ -140,6 +144,9 @@ def build(model_type: str, class_name: str):
         # rope_theta its attention config lacks, and clamps with clip_qkv=None
         cfg.attn_config.rope_theta = cfg.rope_parameters["rope_theta"]
         cfg.attn_config.clip_qkv = 8.0  # the released DBRX's value
+        # its default of 1 K/V head is not the released model's grouped-query attention
+        # (8 K/V heads of 48): 2 of 4, as for the other grouped-query families
+        cfg.attn_config.kv_n_heads = 2
     cls = getattr(transformers, class_name, None)
     if cls is None:
         raise NotBuilt(f"transformers exports no {class_name}")
@@ -230,21 +237,42 @@ def _unique(items) -> list[str]:
 
 def replicated_gemms(model, plan) -> list[str]:
     """Weights of layer GEMMs (attention, MLP, experts; not norms, embeddings, routers: 2-D
-    with a dim of the expert count) left whole on every rank."""
+    with a dim of the expert count; not a GEMM narrower than tp) left whole on every rank."""
     import torch.nn as nn
-    n_experts = next((getattr(model.config, k) for k in ("num_experts", "num_local_experts",
-                                                          "n_routed_experts", "moe_num_experts")
-                      if isinstance(getattr(model.config, k, None), int)), None)
+    from transformers import PretrainedConfig
+    configs = [model.config, *(v for v in vars(model.config).values()  # DBRX's ffn_config
+                               if isinstance(v, PretrainedConfig))]
+    n_experts = next((getattr(c, k) for c in configs for k in (
+        "num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+        if isinstance(getattr(c, k, None), int)), None)
     owners = {f"{m}.{p}" if m else p: mod for m, mod in model.named_modules()
               for p, _ in mod.named_parameters(recurse=False)}
+    narrow = narrower_than_tp(plan)
     out = []
     for entry in plan.params:
         mod = owners.get(entry.name)
         if (entry.layout != "R" or len(entry.global_shape) < 2 or not LAYER.match(entry.name)
                 or isinstance(mod, nn.Embedding) or "norm" in type(mod).__name__.lower()
-                or (len(entry.global_shape) == 2 and n_experts in entry.global_shape)):
+                or (len(entry.global_shape) == 2 and n_experts in entry.global_shape)
+                or entry.name.rpartition(".")[0] in narrow):
             continue
         out.append(entry.name)
+    return out
+
+
+#: the plan's reason for a GEMM whose output does not split into tp parts
+#: (``planner.annotate._too_narrow``)
+TOO_NARROW = re.compile(r"^output size (\d+) does not divide by tp=(\d+)")
+
+
+def narrower_than_tp(plan) -> set[str]:
+    """Modules the plan keeps whole because their GEMM's output is narrower than tp (a
+    1-wide gate): by design, as routers, by the plan's own reason for the decision."""
+    out = set()
+    for d in plan.decisions:
+        m = TOO_NARROW.match(d.rule) if d.role == "replicated" else None
+        if m and int(m.group(1)) < int(m.group(2)):
+            out.add(d.module)
     return out
 
 
@@ -394,11 +422,15 @@ def document(results, selection: str, load: tuple, wall_s: float) -> str:
         f"{summary(results)}.**", "",
         "How to read it:", "",
         "- Each family's default config with hidden 64, 2 layers (2 + 2 in an encoder-decoder), "
-        "4 heads, 2 KV heads (1 where the family defaults to multi-query), head dim 16, "
+        "4 heads, 2 KV heads (1 where the family defaults to multi-query; DBRX, whose "
+        "default of 1 is not the released model's, 2), head dim 16, "
         f"intermediate 128, vocab {VOCAB}, 4 experts with top-2, eager attention, `use_cache=False`;"
         f" inputs `input_ids` and `labels` ({BATCH}x{SEQ}; `decoder_input_ids` for seq2seq).",
         "- `equal+sharded`: `verify` equal (outputs, loss, every gradient) and every layer GEMM "
         "weight (attention, MLP, experts; not norms, embeddings or routers) split. "
+        "A GEMM whose output is narrower than tp (Qwen2-MoE's 1-wide `shared_expert_gate`) is "
+        "held whole by design, as routers are: the plan's decision says so (`output size 1 does "
+        "not divide by tp=2`), and the survey reads that reason, not the module's name. "
         "`equal+replicated`: equal, but the listed weights stay whole on every rank (the reason "
         "is the plan's decision or warning). `refused`: `plan` raised a `ShardplanError`. "
         "`crash`: any other exception, or an error while verifying. `mismatch`: `verify` not "

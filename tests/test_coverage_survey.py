@@ -66,3 +66,28 @@ def test_gpt2_surveys_equal_and_sharded():
     run = coverage.run_tp(model, 2, coverage.example_inputs("causal"))
     assert coverage.classify(run) == ("equal+sharded", "")
     assert run["collectives"] == coverage.megatron_collectives(layers, "causal")
+
+
+def test_gemm_narrower_than_tp_is_by_design_by_the_plans_reason():
+    """A layer GEMM the plan keeps whole because its output is narrower than tp (Qwen2-MoE's
+    1-wide shared-expert gate) is not counted as replicated; one kept whole for another
+    reason, or 2 wide at tp 2 and yet whole, is."""
+    from types import SimpleNamespace as NS
+
+    import torch.nn as nn
+    model = nn.Module()
+    model.config = NS()
+    model.layers = nn.ModuleList([nn.ModuleDict({"gate": nn.Linear(8, 1), "fc": nn.Linear(8, 2)})])
+    params = [NS(name=f"layers.0.{m}.weight", layout="R", global_shape=[w, 8])
+              for m, w in (("gate", 1), ("fc", 2))]
+
+    def decision(module, rule):
+        return NS(role="replicated", module=f"layers.0.{module}", rule=rule)
+    narrow = "output size {} does not divide by tp=2 at linear_1 (aten.linear.default in x)"
+    plan = NS(params=params, decisions=[decision("gate", narrow.format(1)),
+                                        decision("fc", "cat of sharded and replicated tensors")])
+    assert coverage.replicated_gemms(model, plan) == ["layers.0.fc.weight"]
+    plan.decisions[1] = decision("fc", narrow.format(2).replace("tp=2", "tp=4"))
+    assert coverage.replicated_gemms(model, plan) == []  # 2 wide at tp 4: narrower too
+    plan.decisions[0] = decision("gate", "no rule for aten.topk.default on a sharded input")
+    assert coverage.replicated_gemms(model, plan) == ["layers.0.gate.weight"]

@@ -1,8 +1,9 @@
-"""Hugging Face Mixtral, Qwen2-MoE, Falcon, Phi-3, BLOOM, XGLM and DeBERTa-v2 (tiny, random
-weights) at tp 2 and 4 on simulated ranks: every rank's logits, loss and every gradient copy
-equal the unsharded model's, and the experts, MLPs, fused projections and attention with
-heads merged into the batch dim are really split (layouts, and the parameter elements each
-rank holds)."""
+"""Hugging Face Mixtral, Qwen2-MoE, Falcon, Phi-3, BLOOM, XGLM, DeBERTa-v2, GPT-OSS,
+DeepSeek-V3 and DBRX (tiny, random weights) at tp 2 and 4 on simulated ranks: every rank's
+logits, loss and every gradient copy equal the unsharded model's, and the experts, MLPs,
+fused projections, attention with heads merged into the batch dim, attention sinks and
+latent attention's b-projections are really split (layouts, and the parameter elements
+each rank holds)."""
 
 from __future__ import annotations
 
@@ -65,13 +66,39 @@ def expected(family: str, tp: int) -> dict:
                        d + "attention.output.dense.weight": "S(1)",
                        d + "intermediate.dense.weight": "S(0)", d + "output.dense.weight": "S(1)",
                        "cls.predictions.transform.dense.weight": "R"},
+        "gpt_oss": {
+            **attention, a + "q_proj.bias": "S(0)", a + "k_proj.bias": kv(tp),
+            a + "o_proj.bias": "R",
+            a + "sinks": "S(0)",  # a logit per head: split with the heads, not sliced per step
+            "model.layers.0.mlp.router.weight": "R",
+            # (E, H, 2I), gate and up interleaved: each rank whole (gate, up) pairs
+            "model.layers.0.mlp.experts.gate_up_proj": "S(2)",
+            "model.layers.0.mlp.experts.gate_up_proj_bias": "S(1)",
+            "model.layers.0.mlp.experts.down_proj": "S(1)",  # (E, I, H)
+            "model.layers.0.mlp.experts.down_proj_bias": "R"},
+        "deepseek_v3": {
+            # Megatron's MLA: the low-rank a-projections whole, the b-projections by heads
+            a + "q_a_proj.weight": "R", a + "kv_a_proj_with_mqa.weight": "R",
+            a + "q_b_proj.weight": "S(0)", a + "kv_b_proj.weight": "S(0)",
+            a + "o_proj.weight": "S(1)",
+            **{k: v.replace("32+32", "16+16") for k, v in experts.items()},
+            "model.layers.0.mlp.shared_experts.gate_proj.weight": "S(0)",
+            "model.layers.0.mlp.shared_experts.up_proj.weight": "S(0)",
+            "model.layers.0.mlp.shared_experts.down_proj.weight": "S(1)"},
+        "dbrx": {  # (E * F, H): every expert's F rows split alike
+            "transformer.blocks.0.norm_attn_norm.attn.Wqkv.weight": "S(0|32+32+32)",
+            "transformer.blocks.0.norm_attn_norm.attn.out_proj.weight": "S(1)",
+            "transformer.blocks.0.ffn.router.layer.weight": "R",
+            **{f"transformer.blocks.0.ffn.experts.mlp.{w}": "S(0|32+32+32+32)"
+               for w in ("w1", "v1", "w2")}},
     }[family]
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "falcon_mqa", "falcon_gqa", "phi3",
-                                    "mixtral_batched_mm", "bloom", "xglm", "deberta_v2"])
+                                    "mixtral_batched_mm", "bloom", "xglm", "deberta_v2",
+                                    "gpt_oss", "deepseek_v3", "dbrx"])
 def test_family_is_sharded_and_equal(family, tp):
     model, kw = build(family), inputs()
     results = SimulatedRanks(tp).run(step, model, kw, True, captured(family))
@@ -91,9 +118,11 @@ def test_family_is_sharded_and_equal(family, tp):
         assert not plan.warnings, plan.warnings
     if family.startswith(("mixtral", "qwen2_moe")):
         assert_params_per_rank(model, plan, tp)
+    if family.startswith(("mixtral", "qwen2_moe", "deepseek_v3", "dbrx")):
         # Megatron's one g per MoE layer (b*s*h), after the experts' combine and the
         # shared expert's sum: not one per top-k copy, nor one per expert kind
-        g = [c for c in plan.collectives if c.purpose == "g" and ".mlp" in c.module]
+        g = [c for c in plan.collectives
+             if c.purpose == "g" and (".mlp" in c.module or ".ffn" in c.module)]
         assert [c.elements for c in g] == [plan.tokens * model.config.hidden_size], g
         # and its f before the tokens are copied k times: no f is larger than b*s*h
         f = [c.elements for c in plan.collectives if c.purpose == "f"]

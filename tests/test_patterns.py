@@ -124,3 +124,47 @@ def test_parallel_branches_share_one_g(tp):
         "up.weight": "S(0)", "down.weight": "S(1)", "fc.weight": "S(0)", "proj.weight": "S(1)"})
     plan = shardplan.plan(ParallelBranches(), tp, example_inputs=example)
     assert [c.elements for c in plan.collectives if c.purpose == "g"] == [2 * 5 * 16]
+
+
+class SinkAttention(nn.Module):
+    """GPT-OSS's attention sinks: a learned logit per head joined to the scores along the
+    keys (``sinks.reshape(1, -1, 1, 1).expand(...)``, then ``cat``), dropped after the
+    softmax; and its interleaved gate | up (``h[..., ::2]``, ``h[..., 1::2]``).
+    ``shared``: the sinks are also read whole elsewhere, so they cannot be held split."""
+
+    def __init__(self, shared: bool, dim: int = 16, heads: int = 4):
+        super().__init__()
+        self.shared, self.heads = shared, heads
+        self.q, self.k, self.v = (nn.Linear(dim, dim) for _ in range(3))
+        self.proj, self.fc, self.down = nn.Linear(dim, dim), nn.Linear(dim, 4 * dim), \
+            nn.Linear(2 * dim, dim)
+        self.sinks = nn.Parameter(torch.randn(heads))
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = (f(x).view(B, T, self.heads, -1).transpose(1, 2) for f in (self.q, self.k, self.v))
+        scores = q @ k.transpose(2, 3)
+        sinks = self.sinks.reshape(1, -1, 1, 1).expand(B, -1, T, -1)
+        probs = torch.cat([scores, sinks], dim=-1).softmax(-1)[..., :-1]
+        x = x + self.proj((probs @ v).transpose(1, 2).reshape(B, T, C))
+        h = self.fc(x)
+        out = x + self.down(F.silu(h[..., ::2]) * h[..., 1::2])
+        return out + self.sinks.sum() if self.shared else out
+
+
+@pytest.mark.parametrize("shared, tp", [(False, 2), (False, 4), (True, 2)])
+def test_sinks_split_with_the_heads_and_interleaved_gate_up(shared, tp):
+    """The per-head sinks parameter is held split like the heads (each rank binds its
+    heads' sinks, no all-reduce of their gradient); read whole elsewhere too, it stays
+    whole and its view is sliced per rank. The interleaved gate | up splits contiguously:
+    each rank holds whole (gate, up) pairs."""
+    torch.manual_seed(0)
+    example = (torch.randn(2, 5, 16),)
+    assert_sharded_and_equal(SinkAttention(shared), tp, example, {
+        "q.weight": "S(0)", "proj.weight": "S(1)", "sinks": "R" if shared else "S(0)",
+        "fc.weight": "S(0)", "fc.bias": "S(0)", "down.weight": "S(1)"})
+    plan = shardplan.plan(SinkAttention(shared), tp, example_inputs=example)
+    f = [c for c in plan.collectives if c.purpose == "f"]
+    # one f before the MLP (the input needs no gradient); whole sinks sliced after their
+    # view per rank need one more, for their gradient
+    assert len(f) == 1 + shared, f

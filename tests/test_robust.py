@@ -384,7 +384,9 @@ def test_plan_agrees_with_parallelize(case):
 
 class KeysFilledInPlace(nn.Module):
     """Keys built with ``new_empty`` and filled by slice ``copy_`` (halves swapped), as
-    some attention code builds them; the tensor is written after a transition reads it."""
+    some attention code builds them; the tensor is written after a transition reads it.
+    The key weight is also read whole (its sum), so the keys stay whole and reach the
+    split attention through a local slice."""
 
     def __init__(self, dim=32, heads=4):
         super().__init__()
@@ -399,7 +401,7 @@ class KeysFilledInPlace(nn.Module):
         k[..., :d].copy_(k0[..., d:])
         k[..., d:].copy_(k0[..., :d])
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(y.transpose(1, 2).reshape(b, t, c))
+        return self.wo(y.transpose(1, 2).reshape(b, t, c)) + self.wk.weight.sum()
 
 
 def test_in_place_writes_after_a_transition():
@@ -409,7 +411,7 @@ def test_in_place_writes_after_a_transition():
     assert report.ok, str(report)
     p = shardplan.plan(model, 2, example_inputs=x)
     assert p.param("wq.weight").layout == "S(0)" and p.param("wo.weight").layout == "S(1)"
-    assert p.param("wk.weight").layout == "R"  # new_empty has no rule: its keys stay whole
+    assert p.param("wk.weight").layout == "R"  # read whole: its keys stay whole
 
 
 # --------------------------------------------------------------------------- child names

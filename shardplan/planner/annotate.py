@@ -41,11 +41,12 @@ from ..errors import ConfigurationError, DivisibilityError, LayoutError, Shardpl
 from ..layouts import Partial, Replicate, Shard
 from .graph import args_of, describe, floating, hint, op_name, operand, operands, shape
 from .kinds import KINDS, Conflict, Context, Outcome, Role
-from .kinds.base import any_sharded, replicated_like, with_dim
+from .kinds.base import any_sharded, replicated_like
 from .kinds.factors import labels
-from .kinds.permute import viewed_parameter
+from .kinds.permute import experts_view, parameter_layout, viewed_parameter
 from .linear_chains import earlier_f, pass_partials
 from .reshape import keeps_last_dim
+from .split_params import split_parameter
 from .decompose import decomposable, decompose
 from .choices import DISTRIBUTED, REPLICATED, Choice, cost_of
 from .rules import RuleSet
@@ -178,12 +179,19 @@ def _settle(gm, tp, rules, strict, sequence_parallel, keep, whole) -> Annotation
     # opener -> (reason, warn)
     disabled: dict = _kept_replicated(gm, rules, keep) if keep is not None else {}
     replicas: dict = {}  # opener -> (replicas, the divisibility conflict that asked for them)
+    split: dict = {}  # a parameter held split, and each view of it -> (layout, parameter)
     seq_dims = sequence_dims(gm) if sequence_parallel else {}
     stopped: dict = {}
     while True:
-        ann, conflicts = _Pass(gm, tp, rules, params, disabled,
-                               {o: r for o, (r, _) in replicas.items()}, seq_dims, whole).run()
+        pas = _Pass(gm, tp, rules, params, disabled,
+                    {o: r for o, (r, _) in replicas.items()}, seq_dims, whole, split)
+        ann, conflicts = pas.run()
+        wanted = {n: held for n, held in pas.wanted.items() if n not in split and
+                  (keep is None or keep.get(held[1].target) == pas.wanted[held[1]][0])}
+        split.update(wanted)
         if not conflicts:
+            if wanted:
+                continue
             break
         retry = False
         for c in conflicts:
@@ -229,8 +237,11 @@ def read_as(lay):
 
 
 class _Pass:
-    def __init__(self, gm, tp, rules: RuleSet, params, disabled, replicas, seq_dims, whole):
+    def __init__(self, gm, tp, rules: RuleSet, params, disabled, replicas, seq_dims, whole,
+                 split):
         self.gm, self.tp, self.rules, self.params, self.disabled = gm, tp, rules, params, disabled
+        self.split = split  # a parameter held split, and its views -> (layout, parameter)
+        self.wanted: dict = {}  # the same, found needed by this pass, for the next
         self.grad: dict = {}
         self.ctx = Context(tp, rules, whole, self.grad)
         self.replicas = replicas
@@ -257,6 +268,17 @@ class _Pass:
     # ----------------------------------------------------------------- per node
 
     def _visit(self, node: fx.Node) -> None:
+        held = self.split.get(node)
+        if held is not None and held[1] not in self.disabled:  # split_params
+            lay, param = held  # the parameter is the origin, should a conflict undo it
+            self.layouts[node], self.origins[node] = lay, frozenset({param})
+            if node is param:
+                self.param_layouts[node.target] = (lay, frozenset({node}))
+                self.grad[node] = self.params[node.target].requires_grad
+            else:
+                self.grad[node] = self.grad[node.args[0]] and floating(node)
+                self.outcomes[node] = Outcome(lay, rule="view of a parameter held split")
+            return
         if node.op in ("placeholder", "get_attr"):
             self.layouts[node] = R if isinstance(node.meta.get("val"), torch.Tensor) else None
             self.origins[node] = frozenset()
@@ -276,7 +298,8 @@ class _Pass:
             outcome.conflict.origins = outcome.conflict.origins or origins
             self.conflicts.append(outcome.conflict)
             outcome = Outcome(replicated_like(node), rule="conflict")
-        if viewed_parameter(node) is None:  # a weight's view: its consumers say how it is held
+        if viewed_parameter(node) is None and experts_view(node) is None:
+            # not a weight's view: a view's consumers say how the weight is held
             self._params_needed(node, ins, outcome, origins)
         self.outcomes[node] = outcome
         self.layouts[node] = outcome.out
@@ -294,14 +317,21 @@ class _Pass:
             origins = origins | {node}
         for path, a in ins:
             need = outcome.needs.get(path, R)
+            if isinstance(need, Shard) and not isinstance(self._read(a), Shard) \
+                    and a.op != "get_attr" and viewed_parameter(a) is None:
+                found = split_parameter(a, need, self.params, self.ctx)
+                param = next((n for n in found or () if n.op == "get_attr"), None)
+                if param is not None and param not in self.disabled:
+                    self.wanted.update({n: (lay, param) for n, lay in found.items()})
             view = viewed_parameter(a)
             if view is not None:
-                a, perm = view
-                if isinstance(need, Shard) and perm[need.dim] is None:
+                held = parameter_layout(a, need) if isinstance(need, Shard) else R
+                a = view[0]
+                if held is None:
                     self.conflicts.append(Conflict(
                         node, f"{a.target}'s gathered rows are needed split", origins | {node}))
                     continue
-                need = with_dim(need, perm[need.dim]) if isinstance(need, Shard) else R
+                need = held
             if a.op != "get_attr":
                 continue
             have = self.param_layouts.get(a.target)

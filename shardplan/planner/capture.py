@@ -26,6 +26,7 @@ import torch.utils._pytree as pytree
 from torch.export import Dim
 
 from ..errors import CaptureError
+from .capturable import capturable
 
 GUARDS = "_guards_fn"
 # torch.export and the fake tensors it leaves in node.meta keep state that is not
@@ -61,7 +62,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     args, kwargs = tuple(args), dict(kwargs or {})
     check_inputs(model, args, kwargs)
     args, kwargs = _unaliased(args, kwargs)
-    with PLANNING_LOCK, _buffers_on_meta(model), \
+    with PLANNING_LOCK, _buffers_on_meta(model), capturable(model), \
             _truncated(model) if truncate else contextlib.nullcontext({}) as cut:
         try:
             gm = _export(model, args, kwargs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ..graph import args_of, op_name, shape
+from ...layouts import Shard
 from .base import Context, Kind, Outcome, register, with_dim
 
 
@@ -38,17 +39,55 @@ class PermuteKind(Kind):
 def viewed_parameter(node: fx.Node) -> tuple[fx.Node, list] | None:
     """A weight read through a permute (Falcon's ``x @ W.T``, HF experts'
     ``gate_up_proj.transpose(-2, -1)``) or by gathering its rows (HF's batched
-    experts: ``gate_up_proj[expert_ids]``): the ``get_attr`` it reads and the
-    weight dim of each dim of the view (None: the gathered rows' index dims);
+    experts: ``gate_up_proj[expert_ids]``), directly or of its ``experts_view``:
+    the ``get_attr`` it reads and the weight dim of each dim of the view (None:
+    the gathered rows' index dims, and the experts' dim of an experts view);
     else None."""
-    if node.op != "call_function" or not node.args:
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
         return None
     src = node.args[0]
-    if not (isinstance(src, fx.Node) and src.op == "get_attr"):
+    experts = experts_view(src)
+    dims = [None, 0, 1] if experts else list(range(len(shape(src) or ())))
+    src = experts[0] if experts else src
+    if src.op != "get_attr":
         return None
     if op_name(node) in _PERMUTATIONS:
-        return src, _PERMUTATIONS[op_name(node)](args_of(node), len(shape(node)))
+        return src, [dims[d] for d in _PERMUTATIONS[op_name(node)](args_of(node), len(shape(node)))]
     index = args_of(node).get("indices") if op_name(node) == "aten.index.Tensor" else None
     if index and len(index) == 1 and isinstance(index[0], fx.Node) and shape(index[0]):
-        return src, [None] * len(shape(index[0])) + list(range(1, len(shape(src))))
+        return src, [None] * len(shape(index[0])) + dims[1:]
     return None
+
+
+def experts_view(node: fx.Node) -> tuple[fx.Node, int] | None:
+    """A 2-D weight holding its experts' rows one after another, viewed as (experts,
+    rows, cols) with the rows left to the view (DBRX: ``w1.view(E, -1, H)``) and read
+    only through permutes or row gathers: the ``get_attr`` and the experts count. A
+    split of the rows is a split of every expert's block of the weight."""
+    if node.op != "call_function" or op_name(node) not in ("aten.view.default",
+                                                           "aten.reshape.default"):
+        return None
+    src = node.args[0]
+    sizes = list(node.args[1]) if len(node.args) > 1 else []
+    if not (isinstance(src, fx.Node) and src.op == "get_attr") or len(sizes) != 3 \
+            or sizes[1] != -1 or len(shape(src)) != 2 or shape(node)[2] != shape(src)[1] \
+            or not all(op_name(u) in _PERMUTATIONS or op_name(u) == "aten.index.Tensor"
+                       for u in node.users):
+        return None
+    return src, shape(node)[0]
+
+
+def parameter_layout(node: fx.Node, need: Shard) -> Shard | None:
+    """The layout the weight ``node`` views (``viewed_parameter``) is held with for the
+    view to be ``need``; None where ``need`` splits gathered rows or experts."""
+    src, dims = viewed_parameter(node)
+    d = dims[need.dim]
+    if d is None:
+        return None
+    experts = experts_view(node.args[0])
+    if experts and d == 0:  # each expert's rows, split alike: the experts as blocks
+        if need.blocks or need.padded or need.replicas > 1:
+            return None
+        rows = shape(src)[0] // experts[1]
+        return Shard(0, (rows,) * experts[1] if experts[1] > 1 else None)
+    return with_dim(need, d)

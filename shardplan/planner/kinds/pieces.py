@@ -71,7 +71,8 @@ class SliceKind(Kind):
         full = hint(shape(node.args[0])[dim])
         start, stop = _range(node, full)
         if start is None:
-            return conflict(node, "strided slice on the sharded dim")
+            return conflict(node, "strided slice of a dim merging batch and heads") \
+                if lay.period else _strided(node, lay, full, ctx.tp)
         if lay.period:  # batch rows and heads in one dim: only the whole of it
             return Outcome(lay, rule="slice (all of it)") if (start, stop) == (0, full) else \
                 conflict(node, f"slice [{start}:{stop}] of a dim merging batch and heads")
@@ -94,9 +95,27 @@ class SliceKind(Kind):
                 or src.period:  # the whole dim: nothing to change
             return {}
         start, stop = _range(node, hint(shape(node.args[0])[src.dim]))
+        if start is None:  # every step-th of the whole dim: the same start, the end clamps
+            return {}
         if "length" in args:
             return {"start": start // tp, "length": (stop - start) // tp}
         return {"start": start // tp, "end": stop // tp}
+
+
+def _strided(node, lay: Shard, full: int, tp: int) -> Outcome:
+    """``x[start::step]`` over the whole sharded dim (GPT-OSS's interleaved gate | up,
+    ``gate_up[..., ::2]`` and ``[..., 1::2]``): local when every rank's part of every
+    block is whole periods of ``step``; each rank then takes every step-th of its part,
+    and the result is sharded the same way, its blocks ``step`` times smaller."""
+    a = args_of(node)
+    start, stop, step = a["start"] or 0, a["end"], a["step"]
+    blocks = lay.blocks or (full,)
+    if not (isinstance(start, int) and isinstance(step, int) and 0 <= start < step) \
+            or (stop is not None and not (isinstance(stop, int) and stop >= full)) \
+            or lay.padded or lay.replicas > 1 or any(b % (tp * step) for b in blocks):
+        return conflict(node, "strided slice on the sharded dim")
+    return Outcome(Shard(lay.dim, tuple(b // step for b in blocks) if lay.blocks else None),
+                   rule=f"strided slice [{start}::{step}] (sharded dim, whole periods per rank)")
 
 
 def _range(node, full: int):
@@ -122,12 +141,18 @@ class ConcatKind(Kind):
     def rule(self, node, lays, ctx: Context) -> Outcome:
         dim = args_of(node)["dim"] % len(shape(node))
         ls = [lays[(0, j)] for j in range(len(node.args[0]))]
-        if any(not isinstance(lay, Shard) for lay in ls) or len({lay.dim for lay in ls}) != 1:
-            return conflict(node, "cat of sharded and replicated tensors")
-        if ls[0].dim != dim:
-            if len(set(ls)) != 1:
+        split = [lay for lay in ls if isinstance(lay, Shard)]
+        if len({lay.dim for lay in split}) != 1:
+            return conflict(node, "cat of tensors sharded on different dims")
+        if split[0].dim != dim:  # the pieces join along another dim: each rank its part
+            if len(set(split)) != 1 or split[0].padded:
                 return conflict(node, "cat of differently sharded tensors")
-            return Outcome(ls[0], rule="cat (other dim)")
+            # a replicated piece (GPT-OSS's per-head sinks next to the heads' scores) is
+            # read as this rank's part of it
+            needs = {(0, j): split[0] for j, lay in enumerate(ls) if not isinstance(lay, Shard)}
+            return Outcome(split[0], needs, rule="cat (other dim)")
+        if len(split) != len(ls):
+            return conflict(node, "cat of sharded and replicated tensors")
         blocks = []
         for lay, (_, a) in zip(ls, operands(node)):
             if lay.padded or lay.period:

@@ -26,7 +26,12 @@ class ReduceKind(Kind):
     name = "reduce"
 
     def reads(self, op) -> bool:
-        return tensor_to_tensor(op)
+        """One tensor in; one tensor out, or several of the reduced shape (``max.dim``'s
+        and ``topk``'s values and indices)."""
+        rets = op._schema.returns
+        return tensor_to_tensor(op) or (
+            bool(op._schema.arguments) and isinstance(op._schema.arguments[0].type, torch.TensorType)
+            and bool(rets) and all(isinstance(r.type, torch.TensorType) for r in rets))
 
     def rule(self, node, lays, ctx: Context) -> Outcome:
         lay = lays[(0,)]
@@ -48,9 +53,12 @@ class ReduceKind(Kind):
             return Outcome(None, conflict=Conflict(
                 node, f"{op_name(node)} reduces over the sharded dim", closes=True))
         # [B, T, C] summed over T, keepdim=False: S(2) -> S(1)
-        d = lay.dim if len(shape(node)) == rank else lay.dim - sum(1 for x in dims if x < lay.dim)
-        return Outcome(with_dim(lay, d), {p: R for p in lays if p != (0,)},
-                       rule=f"reduce over {sorted(dims)}")
+        val = node.meta["val"]
+        outs = list(val) if isinstance(val, (tuple, list)) else [val]
+        d = lay.dim if outs[0].dim() == rank else lay.dim - sum(1 for x in dims if x < lay.dim)
+        out = with_dim(lay, d)
+        return Outcome(out if len(outs) == 1 else tuple(out for _ in outs),
+                       {p: R for p in lays if p != (0,)}, rule=f"reduce over {sorted(dims)}")
 
     def local_form(self, node: fx.Node, src: Shard, out, tp: int, graph: fx.Graph) -> fx.Node:
         """This rank's summand of a mean over a split dim is its mean / tp (the part is
