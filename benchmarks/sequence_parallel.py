@@ -185,19 +185,28 @@ def _setup(ctx, sz: dict) -> None:
 
 
 def _time_collectives() -> None:
-    """Time every collective shardplan's contenders run, by contender and c10d call."""
+    """Time every collective shardplan's contenders run, by contender and c10d call: its
+    launch and its wait (an overlapped call counts only the time the step waits for it)."""
     from shardplan.runtime import comm
     spent = _STATE["spent"] = defaultdict(lambda: [0.0, 0])
     checked = comm.TorchGroup._checked
+    launched = {}  # id of an async call's Work -> its c10d call
 
     def timed(self, fn, *args, **kwargs):
+        waited = launched.pop(id(getattr(fn, "__self__", None)), None)
         t0 = time.perf_counter()
+        out = None
         try:
-            return checked(self, fn, *args, **kwargs)
+            out = checked(self, fn, *args, **kwargs)
+            return out
         finally:
-            cell = spent[_STATE.get("running"), fn.__name__]
+            name = waited or fn.__name__
+            cell = spent[_STATE.get("running"), name]
             cell[0] += time.perf_counter() - t0
-            cell[1] += 1
+            if waited is None:
+                cell[1] += 1
+            if kwargs.get("async_op") and out is not None:
+                launched[id(out)] = name
     comm.TorchGroup._checked = timed
 
 
