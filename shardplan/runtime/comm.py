@@ -74,21 +74,6 @@ class Group:
             return t.clone()
         return self._reduce_scatter(t.contiguous(), dim)
 
-    def reduce_scatter_all_gather(self, t: torch.Tensor, part: torch.Tensor, dim: int, *,
-                                  direction: str = "none", site: str | None = None):
-        """``(reduce_scatter(t, dim), all_gather(part, dim))`` as one exchange where the
-        backend allows (gloo: one all-to-all carrying both): two collectives, one call."""
-        dim = dim % t.dim()
-        if torch.compiler.is_dynamo_compiling() or self.size == 1:
-            return (self.reduce_scatter(t, dim, direction=direction, site=site),
-                    self.all_gather(part, dim, direction=direction, site=site))
-        self._log("reduce_scatter", t.numel(), t.element_size(), direction, site)
-        self._log("all_gather", part.numel() * self.size, part.element_size(), direction, site)
-        return self._reduce_scatter_all_gather(t.contiguous(), part.contiguous(), dim)
-
-    def _reduce_scatter_all_gather(self, t, part, dim):
-        return self._reduce_scatter(t, dim), self._all_gather(part, dim)
-
     def all_gather_start(self, t: torch.Tensor, dim: int, *,
                          direction: str = "none", site: str | None = None) -> Pending:
         """``all_gather``, running in the background where the backend can (gloo's worker
@@ -248,7 +233,7 @@ class TorchGroup(Group):
         # one flat buffer, every rank's part stacked in front: a list all-gather and a
         # cat cost gloo 2-3x more (docs/benchmarks.md, "Sequence parallelism")
         out = t.new_empty(self.size * t.numel())
-        work = self._checked(dist.all_gather_into_tensor, out, t.reshape(-1), group=self.pg,
+        work = self._checked(dist.all_gather_single, out, t.reshape(-1), group=self.pg,
                              async_op=True)
         return Pending(lambda: _unstack(out.view(self.size, *t.shape), dim), work, self)
 
@@ -256,7 +241,7 @@ class TorchGroup(Group):
         parts = _stack(t, self.size, dim)  # [size, part]: rank r's part at r
         if self.device.type == "cuda":
             out = parts.new_empty(parts.shape[1:])
-            work = self._checked(dist.reduce_scatter_tensor, out, parts, group=self.pg,
+            work = self._checked(dist.reduce_scatter_single, out, parts, group=self.pg,
                                  async_op=True)
             return Pending(lambda: out, work, self)
         # gloo reduces a reduce-scatter over the whole tensor, as an all-reduce costs;
@@ -264,20 +249,6 @@ class TorchGroup(Group):
         got = torch.empty_like(parts)
         work = self._checked(dist.all_to_all_single, got, parts, group=self.pg, async_op=True)
         return Pending(lambda: got.sum(0), work, self)
-
-    def _reduce_scatter_all_gather(self, t, part, dim):
-        if self.device.type == "cuda":
-            return super()._reduce_scatter_all_gather(t, part, dim)
-        # to each rank its part of t and our part, in one all-to-all
-        parts = _stack(t, self.size, dim).flatten(1)
-        n = parts.shape[1]
-        send = torch.cat([parts, part.reshape(1, -1).expand(self.size, -1)], 1)
-        got = torch.empty_like(send)
-        self._checked(dist.all_to_all_single, got, send, group=self.pg)
-        shape = list(t.shape)
-        shape[dim] //= self.size
-        summed = got[:, :n].sum(0).view(shape)
-        return summed, _unstack(got[:, n:].reshape(self.size, *part.shape), dim)
 
     def _broadcast(self, t, src):
         out = t.clone()
