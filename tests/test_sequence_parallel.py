@@ -126,18 +126,14 @@ def test_gpt_ledger_counts():
     buckets = [c for c in plan.collectives if c.purpose == "seq_grad_bucket"]
     assert [c.elements for c in buckets] == [6 * h * L + 2 * h]
     assert plan.count(purpose="seq_regather", kind="all_gather", direction="backward") == 2 * L + 1
-    import shardplan
-    for recompute, per_step in ((False, [6 * h * L + 2 * h]), (True, [6 * h] * L + [2 * h])):
-        p = shardplan.plan(model, tp, example_inputs=args, sequence_parallel=True,
-                           recompute=recompute)  # as the run, and per block
-        assert sorted(c.elements for c in p.collectives
-                      if c.purpose == "seq_grad_bucket") == sorted(per_step), recompute
     recomputed = SimulatedRanks(tp).run(step, model, args, {}, capture(model, args, {}), True,
                                         None, True)
     for records in (r[4] for r in recomputed):
         sums = sorted(r.elements for r in records
                       if r.kind == "all_reduce" and r.direction == "backward")
         assert sums == sorted([6 * h] * L + [2 * h, T * h])
+    buckets = [c for c in recomputed[0][5].collectives if c.purpose == "seq_grad_bucket"]
+    assert sorted(c.elements for c in buckets) == sorted([6 * h] * L + [2 * h])
 
 
 def test_saved_activations_hold_only_tokens():
@@ -235,6 +231,23 @@ def _assert_conv1d_on_tokens(results, cfg):
         fwd = [(r.kind, r.elements) for r in records if r.direction == "forward"]
         assert fwd.count(("reduce_scatter", B * T * h)) == 2 * L + 1
         assert not [n for k, n in fwd if k == "all_reduce" and n == B * T * h]
+
+
+def test_plan_bucket_counts_every_stamped_block():
+    """``plan()`` captures five identical blocks as three and stamps them: its one bucket
+    per step sums every block's 6h per-token parameters and ln_f's 2h, and with
+    recomputation each block has its own bucket of 6h."""
+    import shardplan
+    torch.manual_seed(0)
+    L = 5
+    model = build("gpt-tiny", n_layer=L)
+    h = model.config.n_embd
+    idx = torch.zeros(B, T, dtype=torch.long)
+    for recompute, expect in ((False, [6 * h * L + 2 * h]), (True, [6 * h] * L + [2 * h])):
+        p = shardplan.plan(model, 2, example_inputs=(idx, idx), sequence_parallel=True,
+                           recompute=recompute)
+        assert sorted(c.elements for c in p.collectives
+                      if c.purpose == "seq_grad_bucket") == sorted(expect), recompute
 
 
 def _assert_llama_ledger(results, cfg):
