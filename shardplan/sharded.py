@@ -298,7 +298,8 @@ class ShardedModule(nn.Module):
             finally:
                 source.train(was)
         return annotate(captured.gm, self._group.size, self._rules, strict=self._strict,
-                        sequence_parallel=self.sequence_parallel, keep=keep), captured
+                        sequence_parallel=self.sequence_parallel, keep=keep,
+                        cut_blocks=bool(self.recomputed or self.fsdp_blocks)), captured
 
     def _finish(self, ann: Annotation, captured, args, kwargs,
                 whole: dict | None = None) -> fx.GraphModule:

@@ -109,16 +109,18 @@ def _eq(actual, expected):
     assert actual == expected
 
 
-def check_gathered_linears(ctx, shards, weights, biases, grads):
-    """Two linears of this rank's tokens (dim 1) that gather them themselves
-    (``linears_on_gathered_sequence(None, ...)``), backward ``sum(y_i * grads_i[rank])``:
-    (outputs, the shard's gradient, weight and bias gradients, ledger)."""
-    from shardplan.runtime.mappings import linears_on_gathered_sequence
+def check_gathered_linears(ctx, shards, weights, biases, grads, own_gather=True):
+    """Two linears of this rank's tokens (dim 1), backward ``sum(y_i * grads_i[rank])``:
+    (outputs, the shard's gradient, weight and bias gradients, ledger). ``own_gather``:
+    they gather the tokens themselves (``linears_on_gathered_sequence(None, ...)``), else
+    they read ``gather_from_sequence``'s output."""
+    from shardplan.runtime.mappings import gather_from_sequence, linears_on_gathered_sequence
     shard = shards[ctx.rank].clone().requires_grad_()
     ws = [w.clone().requires_grad_() for w in weights]
     bs = [b.clone().requires_grad_() for b in biases]
     with CommLedger() as led:
-        ys = linears_on_gathered_sequence(None, shard, [t for wb in zip(ws, bs) for t in wb],
+        x = None if own_gather else gather_from_sequence(shard, ctx.group, dim=1)
+        ys = linears_on_gathered_sequence(x, shard, [t for wb in zip(ws, bs) for t in wb],
                                           ctx.group, dim=1)
         sum((y * g[ctx.rank]).sum() for y, g in zip(ys, grads)).backward()
     return ([y.detach() for y in ys], shard.grad, [w.grad for w in ws], [b.grad for b in bs],
@@ -129,7 +131,8 @@ def _assert_gathered_linears(tp, per_rank, shards, weights, biases, grads):
     """Against the sums written out: x the gathered tokens, y_i = x W_i^T + b_i; the
     shard's gradient is this rank's tokens of the ranks' summed input gradients; the
     weights' gradients use the whole x (the backward re-gather); one all-gather forward,
-    a reduce-scatter and an all-gather backward (gloo sends those two in one call)."""
+    backward the re-gather (launched before the input's gradient is computed, which it
+    overlaps) and then the input gradient's reduce-scatter."""
     x = torch.cat(list(shards), 1)
     grad_x = sum(g.matmul(w) for g, w in zip(grads, weights)).sum(0)  # every rank's, summed
     for r, (ys, dshard, dws, dbs, records) in enumerate(per_rank):
@@ -140,8 +143,8 @@ def _assert_gathered_linears(tp, per_rank, shards, weights, biases, grads):
             close(dw, g[r].reshape(-1, g.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1])))
             close(db, g[r].reshape(-1, g.shape[-1]).sum(0))
         n = x.numel()
-        assert records == [("all_gather", "forward", n), ("reduce_scatter", "backward", n),
-                           ("all_gather", "backward", n)]
+        assert records == [("all_gather", "forward", n), ("all_gather", "backward", n),
+                           ("reduce_scatter", "backward", n)]
 
 
 @TP
@@ -152,9 +155,11 @@ def test_mappings_match_unsharded_math(real_ranks, tp):
     linears = (randn(gen, tp, B, S, H), [randn(gen, n, H) for n in (4, 6)],
                [randn(gen, n) for n in (4, 6)], [randn(gen, tp, B, S * tp, n) for n in (4, 6)])
     calls.append((check_gathered_linears, linears))
+    calls.append((check_gathered_linears, (*linears, False)))
     calls.append((check_forward_only, (torch.ones(3, 4),)))
-    *results, gathered, forward_only = run_batch(real_ranks(tp), calls)
+    *results, gathered, gathered_apart, forward_only = run_batch(real_ranks(tp), calls)
     _assert_gathered_linears(tp, gathered, *linears)
+    _assert_gathered_linears(tp, gathered_apart, *linears)
     for (name, _, _, expect), per_rank in zip(cases, results):
         for rank, (y, dx, records) in enumerate(per_rank):
             try:

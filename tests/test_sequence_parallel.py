@@ -102,8 +102,9 @@ def test_gpt_ledger_counts():
     """Per layer 2 reduce-scatters and 2 all-gathers of b*s*h forward (and the same
     backward, plus an all-gather re-gathering each column linear's input), one more of
     each for the embedding and the LM head; the gradient sums of the per-token
-    parameters, one flat all-reduce per block (ln_1, ln_2 weight and bias, the two row
-    biases: 6h) and one for ln_f (weight, bias), and the position embedding's."""
+    parameters in one flat all-reduce per step (each block's ln_1, ln_2 weight and bias
+    and two row biases: 6h; ln_f's weight and bias), and the position embedding's. With
+    recomputation the graph runs block by block: one flat all-reduce per block."""
     model, args = _bundled("gpt-tiny")
     cfg, tp = model.config, 2
     L, h = cfg.n_layer, cfg.n_embd
@@ -118,14 +119,21 @@ def test_gpt_ledger_counts():
         assert bwd.count(("all_gather", full)) == 2 * (2 * L + 1)  # and the linears' inputs
         assert bwd.count(("reduce_scatter", full)) == 2 * L + 1
         sums = sorted(n for k, n in bwd if k == "all_reduce")
-        per_token = [6 * h] * L + [2 * h, T * h]  # a block's norms and row biases, ln_f, wpe
-        assert sums == sorted(per_token)
+        assert sums == sorted([6 * h * L + 2 * h, T * h])  # the blocks' and ln_f's, wpe's
     plan = results[0][5]
     assert plan.count(purpose="seq_scatter", direction="forward") == 2 * L + 1
     assert plan.count(purpose="seq_grad") == 1  # wpe's output
     buckets = [c for c in plan.collectives if c.purpose == "seq_grad_bucket"]
-    assert sorted(c.elements for c in buckets) == sorted([6 * h] * L + [2 * h])
+    assert [c.elements for c in buckets] == [6 * h * L + 2 * h]
     assert plan.count(purpose="seq_regather", kind="all_gather", direction="backward") == 2 * L + 1
+    recomputed = SimulatedRanks(tp).run(step, model, args, {}, capture(model, args, {}), True,
+                                        None, True)
+    for records in (r[4] for r in recomputed):
+        sums = sorted(r.elements for r in records
+                      if r.kind == "all_reduce" and r.direction == "backward")
+        assert sums == sorted([6 * h] * L + [2 * h, T * h])
+    buckets = [c for c in recomputed[0][5].collectives if c.purpose == "seq_grad_bucket"]
+    assert sorted(c.elements for c in buckets) == sorted([6 * h] * L + [2 * h])
 
 
 def test_saved_activations_hold_only_tokens():
@@ -225,6 +233,20 @@ def _assert_conv1d_on_tokens(results, cfg):
         assert not [n for k, n in fwd if k == "all_reduce" and n == B * T * h]
 
 
+def test_plan_bucket_counts_every_stamped_block():
+    """``plan()`` captures five identical blocks as three and stamps them: its one bucket
+    per step sums every block's 6h per-token parameters and ln_f's 2h."""
+    import shardplan
+    torch.manual_seed(0)
+    L = 5
+    model = build("gpt-tiny", n_layer=L)
+    h = model.config.n_embd
+    idx = torch.zeros(B, T, dtype=torch.long)
+    p = shardplan.plan(model, 2, example_inputs=(idx, idx), sequence_parallel=True)
+    assert [c.elements for c in p.collectives
+            if c.purpose == "seq_grad_bucket"] == [6 * h * L + 2 * h]
+
+
 def _assert_llama_ledger(results, cfg):
     """Counted from the config: per layer the o_proj and down_proj outputs are
     reduce-scattered and the two norms' outputs all-gathered (q, k, v share one; gate
@@ -233,8 +255,8 @@ def _assert_llama_ledger(results, cfg):
     and up (once for the two). HF slices the final hidden states (``logits_to_keep=0``
     keeps every position, a slice that runs on the shard), so the LM head opens on the
     final norm's gather like any column linear: a reduce-scatter backward and a
-    re-gather. The norms' weights have their gradients summed: a block's two in one flat
-    all-reduce, the final one alone."""
+    re-gather. The norms' weights have their gradients summed in one flat all-reduce per
+    step: every block's two and the final one."""
     L, h = cfg.num_hidden_layers, cfg.hidden_size
     full = B * T * h
     for records in (r[4] for r in results):
@@ -244,7 +266,7 @@ def _assert_llama_ledger(results, cfg):
         assert fwd.count(("all_gather", full)) == 2 * L + 1
         assert bwd.count(("reduce_scatter", full)) == 2 * L + 1
         assert bwd.count(("all_gather", full)) == (2 * L + 1) + (2 * L + 1)
-        assert sorted(n for k, n in bwd if k == "all_reduce") == sorted([2 * h] * L + [h])
+        assert [n for k, n in bwd if k == "all_reduce"] == [2 * h * L + h]
         assert not [k for k, n in fwd if k == "all_reduce" and n == full]
 
 

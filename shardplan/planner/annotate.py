@@ -98,7 +98,7 @@ class Annotation:
 
 def annotate(gm: fx.GraphModule, tp: int, rules: RuleSet, *, strict: bool = False,
              sequence_parallel: bool = False, keep: dict | None = None,
-             distribute: bool = True) -> Annotation:
+             distribute: bool = True, cut_blocks: bool = True) -> Annotation:
     """Layouts and transitions for every node of ``gm`` under tensor parallelism ``tp``.
 
     Openers whose regions reach an op that cannot run locally are kept
@@ -117,6 +117,10 @@ def annotate(gm: fx.GraphModule, tp: int, rules: RuleSet, *, strict: bool = Fals
     replicated (the plan without distributed reductions is the baseline), or
     with the region's reductions distributed. ``distribute=False`` gives the
     baseline alone (the graph unchanged).
+
+    Sequence parallelism sums the gradients of per-token parameters (norm weights, row
+    biases) in one all-reduce per block where ``cut_blocks`` (recomputation and FSDP run
+    the graph block by block), else in one all-reduce per step, after the last of them.
     """
     settle = lambda g, whole: _settle(g, tp, rules, strict, sequence_parallel, keep, whole)  # noqa: E731
     whole = _reductions(gm, rules)  # names of the reductions kept whole (all, to start)
@@ -140,6 +144,8 @@ def annotate(gm: fx.GraphModule, tp: int, rules: RuleSet, *, strict: bool = Fals
             alt.gm = gm
             ann, whole = alt, whole - names
     ann.choices = choices
+    if not cut_blocks:
+        ann.transitions = _bucket_grad_sums(ann.transitions, per_block=False)
     return ann
 
 
@@ -672,7 +678,7 @@ def _transitions(ann: Annotation) -> list[Transition]:
                 shared(purpose, a, (node, path), before=lay, after=R,
                        forward=Collective.ALL_GATHER, backward=back)
                 if purpose is Purpose.SEQ_GATHER and _keeps_shard(node, path):
-                    shared(Purpose.SEQ_REGATHER, a, (node, path), key=_block(module_of(node)),
+                    shared(Purpose.SEQ_REGATHER, a, (node, path), key=block_of(module_of(node)),
                            before=lay, after=R, forward=Collective.NONE,
                            backward=Collective.ALL_GATHER)
                 continue
@@ -740,16 +746,19 @@ def _gathered_for_region(ann: Annotation, node: fx.Node) -> bool:
                for p, _ in operands(node))
 
 
-def _bucket_grad_sums(ts: list[Transition]) -> list[Transition]:
+def _bucket_grad_sums(ts: list[Transition], per_block: bool = True) -> list[Transition]:
     """The ``SEQ_GRAD``s of parameters of one block (and dtype), read only inside it, as
     one ``SEQ_GRAD_BUCKET`` where the first of them was: one all-reduce instead of one
     per norm weight, norm bias and row bias. A block's bucket stays in the block, so
-    recomputation and FSDP see it there."""
+    recomputation and FSDP see it there. ``per_block=False``: every parameter's
+    ``SEQ_GRAD`` and bucket of one dtype in one bucket, summed once the last gradient
+    is ready."""
     groups: dict = {}
     for i, t in enumerate(ts):
-        if t.purpose is Purpose.SEQ_GRAD and t.src.op == "get_attr":
-            block = _block(t.src.target)
-            if all(_block(module_of(c)) == block for c, _ in t.consumers):
+        if t.purpose is Purpose.SEQ_GRAD_BUCKET or (t.purpose is Purpose.SEQ_GRAD
+                                                    and t.src.op == "get_attr"):
+            block = block_of(t.src.target) if per_block else ()
+            if all(block_of(module_of(c)) == block for c, _ in t.consumers) or not per_block:
                 groups.setdefault((block, t.dtype), []).append(i)
     first, dropped = {}, set()
     for idx in groups.values():
@@ -760,12 +769,12 @@ def _bucket_grad_sums(ts: list[Transition]) -> list[Transition]:
             Purpose.SEQ_GRAD_BUCKET, members[0].src, sum((m.consumers for m in members), ()),
             R, R, Collective.NONE, Collective.ALL_REDUCE,
             messages=((sum(m.elements[0] for m in members),),), dtype=members[0].dtype,
-            sources=tuple(m.src for m in members))
+            sources=sum((m.sources or (m.src,) for m in members), ()))
         dropped.update(idx[1:])
     return [first.get(i, t) for i, t in enumerate(ts) if i not in dropped]
 
 
-def _block(name: str) -> tuple:
+def block_of(name: str) -> tuple:
     """(list path, index) of the outermost block ``name`` lies in; () outside blocks."""
     found = split_first(name or "")
     return found[:2] if found else ()

@@ -10,6 +10,7 @@ disagree with the runtime.
 from __future__ import annotations
 
 import inspect
+from dataclasses import replace
 import math
 
 import torch
@@ -18,7 +19,7 @@ from pydantic import BaseModel, Field
 
 from . import blocks
 from .capture import Captured, capture, has_repeated_blocks, module_of, source_of
-from .annotate import Annotation, annotate
+from .annotate import Annotation, annotate, block_of
 from ..errors import CaptureError
 from .inputs import check_dtypes, check_model_arg, example_args
 from .kinds import Role
@@ -26,7 +27,7 @@ from .memory import MemoryEstimate, estimate
 from ..layouts import Replicate, Shard
 from .rules import RuleSet, load_rules
 from .shards import local_shape
-from .transitions import Purpose, Transition
+from .transitions import Purpose, Transition, message
 
 SCHEMA_VERSION = 1
 
@@ -177,7 +178,8 @@ def plan(model: nn.Module, tp: int, *, example_inputs=None, rules="megatron",
     args, kwargs = example_args(model, example_inputs)
     captured = _capture_stamped(model, args, kwargs)
     check_dtypes(captured.gm)
-    ann = annotate(captured.gm, tp, ruleset, strict=strict, sequence_parallel=sequence_parallel)
+    ann = annotate(captured.gm, tp, ruleset, strict=strict, sequence_parallel=sequence_parallel,
+                   cut_blocks=bool(recompute or fsdp))
     p = build_plan(model, captured, ann, ruleset, args, kwargs)
     if batch is not None or dp > 1 or fsdp or recompute or gpu_memory is not None:
         p.memory.training = estimate(
@@ -244,7 +246,7 @@ def build_plan(model: nn.Module, captured: Captured, ann: Annotation, ruleset: R
     layouts = {captured.aliases.get(k, k): v for k, v in ann.params.items()}
     stamp = _Stamp(captured.truncated)
     params = _params(model, captured, layouts, tp, stamp)
-    collectives = stamp.entries(_collectives(ann.transitions, tokens))
+    collectives = stamp.entries(_collectives([stamp.bucket(t) for t in ann.transitions], tokens))
     decisions = stamp.entries(_decisions(ann))
     choices = stamp.entries([_choice(c) for c in ann.choices])
     per_rank = sum(p.bytes_per_rank for p in params)
@@ -376,6 +378,15 @@ class _Stamp:
             if i == 2:
                 return [blocks.with_index(name, path, n - 1)]
         return [name]
+
+    def bucket(self, t: Transition) -> Transition:
+        """``t``; a gradient bucket of several blocks (one per step) summing every block's
+        members: a captured block's count once per block it stands for."""
+        if t.purpose is not Purpose.SEQ_GRAD_BUCKET or len({block_of(s.target)
+                                                            for s in t.sources}) < 2:
+            return t
+        n = sum(math.prod(message(s)) * len(self._names(s.target)) for s in t.sources)
+        return replace(t, messages=((n,),))
 
     def entries(self, items: list) -> list:
         return [it if m == it.module else it.model_copy(update={"module": m})

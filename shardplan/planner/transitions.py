@@ -17,7 +17,7 @@ purpose                 before -> after  forward      backward      Megatron
 ``SEQ_GATHER``          S(seq) -> R    all_gather   reduce_scatter f (sequence parallel)
 ``SEQ_UNSHARD``         S(seq) -> R    all_gather   local_slice   (gather, fallback)
 ``SEQ_GRAD``            R -> R         none         all_reduce    sequence-parallel grad sum
-``SEQ_GRAD_BUCKET``     R -> R         none         all_reduce    one sum for a block's
+``SEQ_GRAD_BUCKET``     R -> R         none         all_reduce    one sum for a step's
 ``SEQ_REGATHER``        S(seq) -> R    none         all_gather    linears keep the shard
 ``STAT``                P -> R         all_reduce   none          (distributed reduction)
                                        (_max for a max)
@@ -33,9 +33,10 @@ them (``SEQ_UNSHARD`` where an op that is no region needs the whole
 sequence: its gradient is whole on every rank). ``SEQ_GRAD`` is ``F``'s collective for a replicated tensor read by
 sequence-sharded ops (a norm's weight, a position embedding): each rank's
 gradient covers only its tokens, so it is summed over the ranks, once.
-``SEQ_GRAD_BUCKET`` is the ``SEQ_GRAD``s of one block's parameters (its norms'
-weights and biases, its row biases) in one flat all-reduce, run when the last
-of their gradients is ready (Megatron buckets them too); ``sources`` are the
+``SEQ_GRAD_BUCKET`` is the ``SEQ_GRAD``s of the parameters (norms' weights and
+biases, row biases) in one flat all-reduce, run when the last of their
+gradients is ready (Megatron buckets them too): one per step, or one per block
+where recomputation or FSDP run the graph block by block; ``sources`` are the
 parameters, ``messages`` one flat buffer. ``SEQ_REGATHER``: the linears
 reading a ``SEQ_GATHER`` keep only this rank's tokens for backward and
 all-gather them again, once for all of them, for their weights' gradients,
@@ -93,7 +94,7 @@ class Purpose(StrEnum):
     SEQ_GATHER = "seq_gather"  # the ranks' tokens gathered to enter a region
     SEQ_UNSHARD = "seq_unshard"  # the ranks' tokens gathered for an op needing them all
     SEQ_GRAD = "seq_grad"  # a replicated tensor read per token: sum its gradient
-    SEQ_GRAD_BUCKET = "seq_grad_bucket"  # a block's SEQ_GRAD parameters summed in one buffer
+    SEQ_GRAD_BUCKET = "seq_grad_bucket"  # a step's (or block's) SEQ_GRAD parameters in one buffer
     SEQ_REGATHER = "seq_regather"  # a linear's gathered input gathered again in backward
     STAT = "stat"  # a reduction over a split dim: the ranks' partial results summed
 

@@ -295,8 +295,9 @@ _PURPOSE = {
     "seq_unshard": ("gather·seq", "all-gather of the ranks' tokens for an op that needs the whole "
                                   "sequence (fallback)"),
     "seq_grad": ("grad·seq", "sum over ranks of the gradient of a replicated tensor read per token"),
-    "seq_grad_bucket": ("grad·seq·bucket", "one flat all-reduce summing a block's per-token "
-                                           "parameters' gradients (norms, row biases)"),
+    "seq_grad_bucket": ("grad·seq·bucket", "one flat all-reduce summing the per-token "
+                                           "parameters' gradients (norms, row biases) of a "
+                                           "step, or of a block under recompute or FSDP"),
     "stat": ("stat", "distributed reduction: each rank reduces its part of a split dim, the small "
                      "result is all-reduced forward"),
 }

@@ -74,20 +74,31 @@ class Group:
             return t.clone()
         return self._reduce_scatter(t.contiguous(), dim)
 
-    def reduce_scatter_all_gather(self, t: torch.Tensor, part: torch.Tensor, dim: int, *,
-                                  direction: str = "none", site: str | None = None):
-        """``(reduce_scatter(t, dim), all_gather(part, dim))`` as one exchange where the
-        backend allows (gloo: one all-to-all carrying both): two collectives, one call."""
+    def all_gather_start(self, t: torch.Tensor, dim: int, *,
+                         direction: str = "none", site: str | None = None) -> Pending:
+        """``all_gather``, running in the background where the backend can (gloo's worker
+        thread, NCCL's stream) while this thread computes: ``wait()`` returns the result.
+        ``t`` must not change before then."""
         dim = dim % t.dim()
         if torch.compiler.is_dynamo_compiling() or self.size == 1:
-            return (self.reduce_scatter(t, dim, direction=direction, site=site),
-                    self.all_gather(part, dim, direction=direction, site=site))
-        self._log("reduce_scatter", t.numel(), t.element_size(), direction, site)
-        self._log("all_gather", part.numel() * self.size, part.element_size(), direction, site)
-        return self._reduce_scatter_all_gather(t.contiguous(), part.contiguous(), dim)
+            return Pending(self.all_gather(t, dim, direction=direction, site=site))
+        self._log("all_gather", t.numel() * self.size, t.element_size(), direction, site)
+        return self._all_gather_start(t.contiguous(), dim)
 
-    def _reduce_scatter_all_gather(self, t, part, dim):
-        return self._reduce_scatter(t, dim), self._all_gather(part, dim)
+    def reduce_scatter_start(self, t: torch.Tensor, dim: int, *,
+                             direction: str = "none", site: str | None = None) -> Pending:
+        """``reduce_scatter``, running in the background as ``all_gather_start`` does."""
+        dim = dim % t.dim()
+        if torch.compiler.is_dynamo_compiling() or self.size == 1 or t.shape[dim] % self.size:
+            return Pending(self.reduce_scatter(t, dim, direction=direction, site=site))
+        self._log("reduce_scatter", t.numel(), t.element_size(), direction, site)
+        return self._reduce_scatter_start(t.contiguous(), dim)
+
+    def _all_gather_start(self, t, dim) -> Pending:
+        return Pending(self._all_gather(t, dim))  # a backend without background work
+
+    def _reduce_scatter_start(self, t, dim) -> Pending:
+        return Pending(self._reduce_scatter(t, dim))
 
     def broadcast(self, t: torch.Tensor, src: int = 0, *, site: str | None = None) -> torch.Tensor:
         """Rank ``src``'s tensor, on every rank."""
@@ -152,6 +163,26 @@ def _caller() -> str:
     return "?"
 
 
+class Pending:
+    """A collective in flight (``Group.all_gather_start``, ``reduce_scatter_start``):
+    ``wait()`` blocks until it is done and returns its result (once)."""
+
+    __slots__ = ("_result", "_work", "_group", "_op")
+
+    def __init__(self, result, work=None, group: Group | None = None):
+        """``result``: the value, or with ``work`` (a c10d ``Work``) a function making it
+        once ``work`` is done; ``group`` reports ``work``'s errors."""
+        self._result, self._work, self._group = result, work, group
+        self._op = getattr(_CURRENT, "op", None)  # what an error in wait() names
+
+    def wait(self):
+        if self._work is not None:
+            _CURRENT.op = self._op
+            self._group._checked(self._work.wait)
+            self._work, self._result = None, self._result()
+        return self._result
+
+
 _TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
@@ -193,37 +224,31 @@ class TorchGroup(Group):
         return out
 
     def _all_gather(self, t, dim):
+        return self._all_gather_start(t, dim).wait()
+
+    def _reduce_scatter(self, t, dim):
+        return self._reduce_scatter_start(t, dim).wait()
+
+    def _all_gather_start(self, t, dim):
         # one flat buffer, every rank's part stacked in front: a list all-gather and a
         # cat cost gloo 2-3x more (docs/benchmarks.md, "Sequence parallelism")
         out = t.new_empty(self.size * t.numel())
-        self._checked(dist.all_gather_into_tensor, out, t.reshape(-1), group=self.pg)
-        return _unstack(out.view(self.size, *t.shape), dim)
+        work = self._checked(dist.all_gather_single, out, t.reshape(-1), group=self.pg,
+                             async_op=True)
+        return Pending(lambda: _unstack(out.view(self.size, *t.shape), dim), work, self)
 
-    def _reduce_scatter(self, t, dim):
+    def _reduce_scatter_start(self, t, dim):
         parts = _stack(t, self.size, dim)  # [size, part]: rank r's part at r
         if self.device.type == "cuda":
             out = parts.new_empty(parts.shape[1:])
-            self._checked(dist.reduce_scatter_tensor, out, parts, group=self.pg)
-            return out
+            work = self._checked(dist.reduce_scatter_single, out, parts, group=self.pg,
+                                 async_op=True)
+            return Pending(lambda: out, work, self)
         # gloo reduces a reduce-scatter over the whole tensor, as an all-reduce costs;
         # an all-to-all sends each rank only its part of every peer's tensor, summed here
         got = torch.empty_like(parts)
-        self._checked(dist.all_to_all_single, got, parts, group=self.pg)
-        return got.sum(0)
-
-    def _reduce_scatter_all_gather(self, t, part, dim):
-        if self.device.type == "cuda":
-            return super()._reduce_scatter_all_gather(t, part, dim)
-        # to each rank its part of t and our part, in one all-to-all
-        parts = _stack(t, self.size, dim).flatten(1)
-        n = parts.shape[1]
-        send = torch.cat([parts, part.reshape(1, -1).expand(self.size, -1)], 1)
-        got = torch.empty_like(send)
-        self._checked(dist.all_to_all_single, got, send, group=self.pg)
-        shape = list(t.shape)
-        shape[dim] //= self.size
-        summed = got[:, :n].sum(0).view(shape)
-        return summed, _unstack(got[:, n:].reshape(self.size, *part.shape), dim)
+        work = self._checked(dist.all_to_all_single, got, parts, group=self.pg, async_op=True)
+        return Pending(lambda: got.sum(0), work, self)
 
     def _broadcast(self, t, src):
         out = t.clone()

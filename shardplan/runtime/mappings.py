@@ -202,27 +202,22 @@ class _LinearsOnGatheredSequence(torch.autograd.Function):
         needs = ctx.needs_input_grad
         need_x, wb = needs[1] if ctx.gathers else needs[0], needs[5:]
         need_w = any(wb[::2])
+        where = dict(direction="backward", site=ctx.site)
+        # Megatron's overlap: the re-gather runs while the input's gradient is computed,
+        # the input gradient's reduce-scatter while the weights' are
+        regather = ctx.group.all_gather_start(shard, ctx.dim, **where) if need_w else None
         # under autocast forward ran in the grads' dtype; autograd casts the results back
         grad_x = sum(g.matmul(w.to(g.dtype)) for g, w in zip(grads, weights)) if need_x else None
-        x = grad_shard = None
-        if ctx.gathers and need_x and need_w:  # the input's sum and the re-gather: one call
-            grad_shard, x = ctx.group.reduce_scatter_all_gather(
-                grad_x, shard, ctx.dim, direction="backward", site=ctx.site)
-        else:
-            if ctx.gathers and need_x:
-                grad_shard = ctx.group.reduce_scatter(grad_x, ctx.dim, direction="backward",
-                                                      site=ctx.site)
-            if need_w:  # one all-gather serves every weight's gradient
-                x = ctx.group.all_gather(shard, ctx.dim, direction="backward", site=ctx.site)
-        if x is not None:
-            x = x.reshape(-1, x.shape[-1])
+        x = regather.wait().reshape(-1, shard.shape[-1]) if need_w else None
+        scatter = (ctx.group.reduce_scatter_start(grad_x, ctx.dim, **where)
+                   if ctx.gathers and need_x else None)
         out = []
         for g, need_w, need_b, bias in zip(grads, wb[::2], wb[1::2], ctx.biases):
             g2 = g.reshape(-1, g.shape[-1])
             out.append(g2.t().matmul(x.to(g.dtype)) if need_w else None)
             out.append(g2.sum(0) if need_b and bias else None)
         if ctx.gathers:
-            return (None, grad_shard, None, None, None, *out)
+            return (None, scatter and scatter.wait(), None, None, None, *out)
         return (grad_x, None, None, None, None, *out)
 
 
@@ -233,9 +228,10 @@ def linears_on_gathered_sequence(x: torch.Tensor | None, shard: torch.Tensor, we
     instead of ``x`` and all-gathers it once, when every output's gradient is ready, for
     all the weights' gradients; ``x``'s gradient flows back through its gather.
 
-    ``x=None``: the gather is done here (its only readers are these linears), and
-    backward's reduce-scatter of the input gradient and the re-gather go as one exchange
-    (``Group.reduce_scatter_all_gather``)."""
+    ``x=None``: the gather is done here (its only readers are these linears), and so is
+    backward's reduce-scatter of ``x``'s gradient. Backward overlaps its collectives with
+    its GEMMs as Megatron does: the re-gather runs while ``x``'s gradient is computed,
+    that gradient's reduce-scatter while the weights' are (``Group.all_gather_start``)."""
     return _LinearsOnGatheredSequence.apply(x, shard, as_group(group), dim, _site(site),
                                             *weights_and_biases)
 
