@@ -13,7 +13,10 @@ of ``dim`` (a fused QKV output is ``blocks=(H, H, H)``, a GQA one
 concatenated. ``padded`` is the size ``dim`` is padded to before splitting
 (a vocabulary not divisible by tp); padding rows are zero. ``replicas`` > 1
 splits ``dim`` into tp/replicas parts, each held by ``replicas`` consecutive
-ranks (K/V heads fewer than tp: the ranks that share a head hold it).
+ranks (K/V heads fewer than tp: the ranks that share a head hold it). A
+blocked shard may give each block its own count (``replicas=(1, 4, 4)``,
+written ``x1+4+4``): a fused multi-query QKV whose query block is split tp
+ways while its one K and one V head are held whole by every rank.
 
 A ``MeshLayout`` is a placement per named mesh dimension, outer to inner
 (``dp=R,tp=S(0)``), as a DTensor's placement list is. A tensor of a sharded
@@ -70,8 +73,10 @@ class Placement:
                 return Partial()
             if kind == "shard":
                 blocks = tuple(d["blocks"]) if d.get("blocks") else None
-                return Shard(int(d["dim"]), blocks, d.get("padded"), int(d.get("replicas", 1)))
-        except (KeyError, TypeError, ValueError):
+                reps = d.get("replicas", 1)
+                reps = tuple(int(r) for r in reps) if isinstance(reps, list) else int(reps)
+                return Shard(int(d["dim"]), blocks, d.get("padded"), reps)
+        except (KeyError, TypeError, ValueError, LayoutError):
             pass
         raise LayoutError(f"not a layout: {d!r}",
                           fix="it was written by another shardplan version or edited by hand")
@@ -97,18 +102,26 @@ class Shard(Placement):
     dim: int
     blocks: tuple[int, ...] | None = None
     padded: int | None = None
-    replicas: int = 1
+    replicas: int | tuple[int, ...] = 1  # a tuple: one count per block
 
     def __post_init__(self):
         if self.blocks is not None:
             object.__setattr__(self, "blocks", tuple(self.blocks))
+        if isinstance(self.replicas, (tuple, list)):
+            reps = tuple(self.replicas)
+            if reps and len(set(reps)) == 1 and (self.blocks is None or len(reps) == len(self.blocks)):
+                reps = reps[0]  # one count for every block: the plain form
+            object.__setattr__(self, "replicas", reps)
         bad = [f for f, ok in (("dim", _is_int(self.dim)),
                                ("blocks", self.blocks is None or (
                                    len(self.blocks) > 0 and all(_is_int(b) and b > 0
                                                                 for b in self.blocks))),
                                ("padded", self.padded is None or (_is_int(self.padded)
                                                                   and self.padded > 0)),
-                               ("replicas", _is_int(self.replicas) and self.replicas > 0))
+                               ("replicas", _is_int(self.replicas) and self.replicas > 0 or (
+                                   isinstance(self.replicas, tuple) and self.blocks is not None
+                                   and len(self.replicas) == len(self.blocks) and not self.padded
+                                   and all(_is_int(r) and r > 0 for r in self.replicas))))
                if not ok]
         if bad:
             raise LayoutError(f"Shard({self.dim!r}, blocks={self.blocks!r}, padded={self.padded!r}, "
@@ -123,8 +136,9 @@ class Shard(Placement):
         for part in (m.group(2).split("|")[1:] if m else ()):
             if re.fullmatch(r"pad\d+", part):
                 key, value = "padded", int(part[3:])
-            elif re.fullmatch(r"x\d+", part):
-                key, value = "replicas", int(part[1:])
+            elif re.fullmatch(r"x\d+(\+\d+)*", part):
+                reps = tuple(int(r) for r in part[1:].split("+"))
+                key, value = "replicas", reps if len(reps) > 1 else reps[0]
             elif re.fullmatch(r"\d+(\+\d+)*", part):
                 key, value = "blocks", tuple(int(b) for b in part.split("+"))
             else:
@@ -137,7 +151,7 @@ class Shard(Placement):
         if m is None:
             raise LayoutError(f"not a layout: {text!r}",
                               fix='write "R", "P" or "S(dim[|b1+b2+..][|padN][|xR])", '
-                                  'e.g. "S(0|32+32+32|pad128|x2)"')
+                                  'e.g. "S(0|32+32+32|pad128|x2)" or "S(0|64+16+16|x1+4+4)"')
         try:
             return cls(int(m.group(1)), **fields)
         except LayoutError as e:
@@ -149,16 +163,36 @@ class Shard(Placement):
             extra += "|" + "+".join(map(str, self.blocks))
         if self.padded:
             extra += f"|pad{self.padded}"
-        if self.replicas > 1:
+        if self.blocked_replicas:
+            extra += "|x" + "+".join(map(str, self.replicas))
+        elif self.replicas > 1:
             extra += f"|x{self.replicas}"
         return f"S({self.dim}{extra})"
 
     def to_json(self) -> dict:
         return {"type": "shard", "dim": self.dim,
                 "blocks": list(self.blocks) if self.blocks else None,
-                "padded": self.padded, "replicas": self.replicas}
+                "padded": self.padded,
+                "replicas": list(self.replicas) if self.blocked_replicas else self.replicas}
+
+    @property
+    def blocked_replicas(self) -> bool:
+        """Do the blocks carry counts of their own (``x1+4+4``)?"""
+        return isinstance(self.replicas, tuple)
+
+    def block_replicas(self) -> tuple[int, ...]:
+        """The ranks holding each part, per block (one entry for an unblocked shard)."""
+        if self.blocked_replicas:
+            return self.replicas
+        return (self.replicas,) * len(self.blocks or (None,))
+
+    def local_blocks(self, tp: int) -> tuple[int, ...]:
+        """Each block's size on one rank."""
+        return tuple(b * r // tp for b, r in zip(self.blocks, self.block_replicas()))
 
     def local_size(self, full: int, tp: int) -> int:
+        if self.blocked_replicas:
+            return sum(self.local_blocks(tp))
         return (self.padded or full) * self.replicas // tp
 
     def slice(self, t: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
@@ -167,13 +201,19 @@ class Shard(Placement):
             pad = list(t.shape)
             pad[self.dim] = self.padded - t.shape[self.dim]
             t = torch.cat([t, t.new_zeros(pad)], self.dim)
-        parts, index = tp // self.replicas, rank // self.replicas
         segments = t.split(list(self.blocks), self.dim) if self.blocks else [t]
-        return torch.cat([s.chunk(parts, self.dim)[index] for s in segments], self.dim).clone()
+        return torch.cat([s.chunk(tp // r, self.dim)[rank // r]
+                          for s, r in zip(segments, self.block_replicas())], self.dim).clone()
 
-    def unshard(self, parts: list[torch.Tensor], full: int) -> torch.Tensor:
-        """The full tensor from every rank's part (in rank order); drops padding."""
-        parts = parts[::self.replicas]
+    def unshard(self, parts: list[torch.Tensor], full: int, copy: int = 0) -> torch.Tensor:
+        """The full tensor from every rank's part (in rank order); drops padding. A part
+        held by r ranks is read from the ``copy % r``-th of them."""
+        tp = len(parts)
+        if self.blocked_replicas:  # block i from ranks c, c + r_i, c + 2 r_i, ...
+            pieces = [p.split(list(self.local_blocks(tp)), self.dim) for p in parts]
+            return torch.cat([torch.cat([pc[i] for pc in pieces[copy % r::r]], self.dim)
+                              for i, r in enumerate(self.replicas)], self.dim)
+        parts = parts[copy % self.replicas::self.replicas]
         tp = len(parts)
         if self.blocks:
             pieces = [p.split([b // tp for b in self.blocks], self.dim) for p in parts]

@@ -28,39 +28,44 @@ def map_reshape(lay: Shard, src, dst, src_sym, dst_sym, tp) -> Shard | tuple[str
         if (b - a, e - c) == (1, 1):
             return Shard(c, None, lay.padded)
         return "reshape of a padded dim", {}
-    parts = tp // lay.replicas
-    # the sharded group flattened into its blocks, in elements:
+    # the sharded group flattened into its blocks, in elements, each with its replica count:
     # [B, T, 3*H*D] blocks (H*D, H*D, H*D) -> flat [H*D, H*D, H*D]
     inner = math.prod(src[lay.dim + 1:b])
-    flat = [blk * inner for _ in range(math.prod(src[a:lay.dim]))
-            for blk in (lay.blocks or [src[lay.dim]])]
+    flat = [(blk * inner, r) for _ in range(math.prod(src[a:lay.dim]))
+            for blk, r in zip(lay.blocks or [src[lay.dim]], lay.block_replicas())]
     for j in range(c, e):  # try each dst dim of the group, outermost first
         row = dst[j] * math.prod(dst[j + 1:e])  # elements of one index along dst[c:j]
         inner_out = math.prod(dst[j + 1:e])  # elements of one index along dst[j]
         rows, cur, ok = [], [], True
         for blk in flat:
             cur.append(blk)
-            if sum(cur) == row:
+            if sum(x for x, _ in cur) == row:
                 rows.append(cur)
                 cur = []
-            elif sum(cur) > row:
+            elif sum(x for x, _ in cur) > row:
                 ok = False
                 break
         if not ok or cur or any(r != rows[0] for r in rows):
             continue
-        if any(blk % inner_out for blk in rows[0]):
+        if any(blk % inner_out for blk, _ in rows[0]):
             continue
-        counts = [blk // inner_out for blk in rows[0]]  # indices of dst[j] per block
-        if all(n == 1 for n in counts) and j < e - 1 and parts > 1:
+        counts = [blk // inner_out for blk, _ in rows[0]]  # indices of dst[j] per block
+        parts = [tp // r for _, r in rows[0]]
+        if all(n == 1 for n in counts) and j < e - 1 and max(parts) > 1:
             continue  # a dim enumerating the blocks, or a new size-1 dim: the shard lies inside
             # (held whole by every rank, the size-1 dim is one head: the shard stays on it)
-        if any(n % parts for n in counts):  # the major dim carries the shard (heads): no
-            needed = tp // math.gcd(counts[0], tp) if len(counts) == 1 else 1  # moving it inward
+        if any(n % p for n, p in zip(counts, parts)):  # the major dim carries the shard (heads):
+            # no moving it inward; ranks holding a block's heads in groups would divide it
+            needed = [tp // math.gcd(n, tp) for n in counts]
+            needed = needed[0] if len(counts) == 1 else tuple(needed) \
+                if len(counts) == len(lay.blocks or ()) else 1
             return (f"split of a sharded dim into {[dst[k] for k in range(c, e)]} does not "
                     f"divide by tp={tp} (e.g. heads not divisible by tp)",
                     {"divisibility": True, "replicas": needed})
         blocks = tuple(counts)
-        return Shard(j, blocks if len(blocks) > 1 else None, None, lay.replicas)
+        reps = tuple(r for _, r in rows[0])
+        return Shard(j, blocks if len(blocks) > 1 else None, None,
+                     reps if len(blocks) > 1 else reps[0])
     return f"reshape {list(src)} -> {list(dst)} cuts the shard", {}
 
 
