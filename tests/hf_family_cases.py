@@ -1,5 +1,6 @@
 """Tiny Hugging Face models of the families with MoE experts, fused multi-query
-attention and sliced fused QKV (random weights, nothing downloaded)."""
+attention, sliced fused QKV and K/V heads fewer than tp (random weights, nothing
+downloaded)."""
 
 from __future__ import annotations
 
@@ -25,8 +26,12 @@ CONFIGS = {
         hidden_size=64, num_attention_heads=8, num_kv_heads=4, new_decoder_architecture=True,
         bias=False)),
     "phi3": ("Phi3Config", dict(
-        hidden_size=32, num_attention_heads=4, num_key_value_heads=4, intermediate_size=32,
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=32,
         pad_token_id=0)),
+    "gpt_bigcode": ("GPTBigCodeConfig", dict(
+        hidden_size=32, num_attention_heads=4, n_inner=32, multi_query=True)),
+    "olmo2": ("Olmo2Config", dict(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=32)),
 }
 FAMILIES = list(CONFIGS)
 

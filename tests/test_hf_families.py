@@ -1,11 +1,13 @@
-"""Hugging Face Mixtral, Qwen2-MoE, Falcon and Phi-3 (tiny, random weights) at tp 2 and 4 on
-simulated ranks: every rank's logits, loss and every gradient copy equal the unsharded
-model's, and the experts, MLPs and fused projections are really split (layouts, and the
-parameter elements each rank holds)."""
+"""Hugging Face Mixtral, Qwen2-MoE, Falcon, Phi-3 and GPT-BigCode (tiny, random weights) at
+tp 2 and 4, OLMo2 at tp 4, on simulated ranks: every rank's logits, loss and every gradient
+copy equal the unsharded model's, the experts, MLPs and fused projections are really split
+(layouts, and the parameter elements each rank holds), and every rank's ledger is the
+plan's collectives."""
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import pytest
 
@@ -50,16 +52,28 @@ def expected(family: str, tp: int) -> dict:
                        "transformer.h.0.mlp.dense_4h_to_h.weight": "S(1)",
                        "transformer.h.0.self_attention.query_key_value.weight": "S(0)",
                        "transformer.h.0.self_attention.dense.weight": "S(1)"},
-        "phi3": {a + "qkv_proj.weight": "S(0|32+32+32)", a + "o_proj.weight": "S(1)",
+        # [q: 4 heads | k: 2 | v: 2]: at tp 4 each K/V head on 2 ranks, each query head on 1
+        "phi3": {a + "qkv_proj.weight": "S(0|32+16+16)" if tp == 2 else "S(0|32+16+16|x1+2+2)",
+                 a + "o_proj.weight": "S(1)",
                  "model.layers.0.mlp.gate_up_proj.weight": "S(0|32+32)",
                  "model.layers.0.mlp.down_proj.weight": "S(1)"},
+        # multi-query: the fused [q | k: 1 head | v: 1 head] viewed after unsqueeze and split
+        "gpt_bigcode": {"transformer.h.0.attn.c_attn.weight": f"S(0|32+8+8|x1+{tp}+{tp})",
+                        "transformer.h.0.attn.c_attn.bias": f"S(0|32+8+8|x1+{tp}+{tp})",
+                        "transformer.h.0.attn.c_proj.weight": "S(1)",
+                        "transformer.h.0.mlp.c_fc.weight": "S(0)",
+                        "transformer.h.0.mlp.c_proj.weight": "S(1)"},
+        # the k RMSNorm over both K heads, each held by 2 ranks at tp 4: distributed
+        "olmo2": {**attention, a + "q_norm.weight": "S(0)", a + "k_norm.weight": kv(tp)},
     }[family]
 
 
+CASES = [(f, tp) for f in ("mixtral", "qwen2_moe", "falcon_mqa", "falcon_gqa", "phi3",
+                           "mixtral_batched_mm", "gpt_bigcode") for tp in (2, 4)] + [("olmo2", 4)]
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("tp", [2, 4])
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "falcon_mqa", "falcon_gqa", "phi3",
-                                    "mixtral_batched_mm"])
+@pytest.mark.parametrize("family,tp", CASES)
 def test_family_is_sharded_and_equal(family, tp):
     model, kw = build(family), inputs()
     results = SimulatedRanks(tp).run(step, model, kw, True, captured(family))
@@ -78,6 +92,16 @@ def test_family_is_sharded_and_equal(family, tp):
     # what stays whole is the plan's decision, with its reason: never a silent replica
     assert all(d.rule for d in plan.decisions if d.role == "replicated"), plan.decisions
     assert not plan.warnings, plan.warnings
+    # what ranks ran is what the plan says (a replica sum of the blocks held by several
+    # ranks only; the padded logits' gather aside: the plan counts it unpadded)
+    for records in (r[4] for r in results):
+        assert Counter((r.kind, r.direction, r.elements) for r in records
+                       if r.kind != "all_gather") == \
+            Counter((c.kind, c.direction, c.elements) for c in plan.collectives
+                    if c.purpose != "gather_output")
+    if family == "olmo2":  # weighed against keeping k whole, the distributed norm wins
+        assert {c.module.rsplit(".", 1)[-1]: c.chosen for c in plan.choices} == \
+            {"q_norm": "distributed", "k_norm": "distributed"}
     if family.startswith(("mixtral", "qwen2_moe")):
         assert_params_per_rank(model, plan, tp)
         # Megatron's one g per MoE layer (b*s*h), after the experts' combine and the
