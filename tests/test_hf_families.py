@@ -116,9 +116,9 @@ def test_family_is_sharded_and_equal(family, tp):
 @pytest.mark.real
 @pytest.mark.timeout(400)
 def test_tp2_real_gloo(real_ranks):
-    """The experts' grouped GEMMs and Falcon's ``x @ W.T`` on two gloo processes, one
-    launch for both models."""
-    families = ("qwen2_moe", "falcon_gqa")
+    """The experts' grouped GEMMs, Falcon's ``x @ W.T`` and its fused multi-query QKV (a
+    replica sum of the blocks every rank holds) on two gloo processes, one launch."""
+    families = ("qwen2_moe", "falcon_gqa", "falcon_mqa")
     results = real_ranks(2).run(real_steps, families)
     for i, family in enumerate(families):
         per_rank = [r[i] for r in results]
