@@ -44,6 +44,7 @@ from .kinds import KINDS, Conflict, Context, Outcome, Role
 from .kinds.base import any_sharded, cumsum, replicated_like, with_dim
 from .kinds.factors import labels
 from .kinds.permute import viewed_parameter
+from .kinds.pieces import piece_bounds
 from .linear_chains import earlier_f, pass_partials
 from .reshape import keeps_last_dim
 from .decompose import decomposable, decompose
@@ -188,7 +189,7 @@ def _settle(gm, tp, rules, strict, sequence_parallel, keep, whole) -> Annotation
         retry = False
         asked = dict(replicas)  # the counts this pass ran with
         for c in conflicts:
-            want = {o: _merge(replicas.get(o, (1,))[0], _wanted(c, o, ann, tp))
+            want = {o: _merge(replicas.get(o, (1,))[0], _wanted(c, o, ann))
                     for o in c.origins} if c.divisibility else {}
             grow = {o: r for o, r in want.items() if r != replicas.get(o, (1,))[0] and r != 1}
             held = [o for o in c.origins if o in asked]
@@ -226,7 +227,7 @@ def _settle(gm, tp, rules, strict, sequence_parallel, keep, whole) -> Annotation
     return ann
 
 
-def _wanted(c: Conflict, opener: fx.Node, ann: Annotation, tp: int):
+def _wanted(c: Conflict, opener: fx.Node, ann: Annotation):
     """The ranks per part a divisibility conflict asks of ``opener``: its count, or one
     per block of the opener's blocked output when the conflict reads some of its blocks
     (Phi-3's K slice of the fused QKV, viewed as 2 heads at tp 4: ``(1, 2, 2)``)."""
@@ -259,29 +260,21 @@ def _blocks_read(node: fx.Node, opener: fx.Node, ann: Annotation) -> range | Non
         src = cur.args[0]
         if not isinstance(src, fx.Node):
             return None
-        piece = None
-        if op_name(cur) == "getitem" and ann.rules.kind(op_name(src)) == "split":
+        kind = ann.rules.kind(op_name(src if op_name(cur) == "getitem" else cur))
+        if op_name(cur) == "getitem" and kind == "split" and op_name(src) != "aten.unbind.int":
             piece, cutter = cur.args[1], src
-        elif ann.rules.kind(op_name(cur)) == "slice":
+        elif kind == "slice" and op_name(cur) != "aten.select.int":
             piece, cutter = None, cur
         else:
             cur = src
             continue
         lay = ann.layouts.get(cutter.args[0])
-        full = shape(cutter.args[0])
-        dim = args_of(cutter)["dim"] % len(full)
+        dim = args_of(cutter)["dim"] % len(shape(cutter.args[0]))
         if not (isinstance(lay, Shard) and lay.blocks and lay.dim == dim):
             cur = cutter.args[0]
             continue
         ends = [0, *cumsum(lay.blocks)]
-        if piece is None:
-            val = cutter.meta["val"]
-            start = args_of(cutter).get("start") or 0
-            start = start % hint(full[dim]) if isinstance(start, int) else None
-            stop = None if start is None else start + hint(val.shape[dim])
-        else:
-            sizes = [hint(v.shape[dim]) for v in cutter.meta["val"]]
-            start, stop = sum(sizes[:piece]), sum(sizes[:piece + 1])
+        start, stop = piece_bounds(cutter, piece)
         if start not in ends or stop not in ends:
             return None
         return range(ends.index(start), ends.index(stop))

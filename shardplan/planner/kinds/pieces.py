@@ -102,6 +102,16 @@ class SliceKind(Kind):
         return {"start": start, "end": stop}
 
 
+def piece_bounds(node, piece: int | None) -> tuple[int | None, int | None]:
+    """``[start, stop)`` along its dim of what ``node`` cuts out: a slice's range, or
+    piece ``piece`` of a split; (None, None) for a strided slice."""
+    dim = args_of(node)["dim"] % len(shape(node.args[0]))
+    if piece is None:
+        return _range(node, hint(shape(node.args[0])[dim]))
+    sizes = [hint(v.shape[dim]) for v in node.meta["val"]]
+    return sum(sizes[:piece]), sum(sizes[:piece + 1])
+
+
 def _piece(lay: Shard, dim: int, i: int, j: int) -> Shard:
     """The shard of blocks ``i:j`` of ``lay`` (each block keeps its replica count)."""
     blocks, reps = (lay.blocks or (None,))[i:j], lay.block_replicas()[i:j]

@@ -50,7 +50,7 @@ class ReshapeKind(Kind):
         if isinstance(res, Shard) and lay.replicas == 1 and (
                 _one_head_split(node, lay, res, ctx) or _inside_one_head(node, lay, ctx)):
             return Outcome(None, conflict=Conflict(  # hold the one head on every rank
-                node, "one head (a new size-1 dim) broadcast against more heads later",
+                node, "one head (a size-1 dim) broadcast against more heads later",
                 divisibility=True, replicas=ctx.tp))
         if isinstance(res, tuple):
             reason, extra = res
