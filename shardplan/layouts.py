@@ -13,7 +13,10 @@ of ``dim`` (a fused QKV output is ``blocks=(H, H, H)``, a GQA one
 concatenated. ``padded`` is the size ``dim`` is padded to before splitting
 (a vocabulary not divisible by tp); padding rows are zero. ``replicas`` > 1
 splits ``dim`` into tp/replicas parts, each held by ``replicas`` consecutive
-ranks (K/V heads fewer than tp: the ranks that share a head hold it).
+ranks (K/V heads fewer than tp: the ranks that share a head hold it). A
+blocked shard may give each block its own count (``replicas=(1, 4, 4)``,
+written ``x1+4+4``): a fused multi-query QKV whose query block is split tp
+ways while its one K and one V head are held whole by every rank.
 ``period`` P says ``dim`` merges an outer count of any size (the batch,
 symbolic in a capture) with P inner elements, ``[B*H]`` of attention that
 folds its heads into the batch: the shard (and its blocks) applies within
@@ -74,9 +77,10 @@ class Placement:
                 return Partial()
             if kind == "shard":
                 blocks = tuple(d["blocks"]) if d.get("blocks") else None
-                return Shard(int(d["dim"]), blocks, d.get("padded"), int(d.get("replicas", 1)),
-                             d.get("period"))
-        except (KeyError, TypeError, ValueError):
+                reps = d.get("replicas", 1)
+                reps = tuple(int(r) for r in reps) if isinstance(reps, list) else int(reps)
+                return Shard(int(d["dim"]), blocks, d.get("padded"), reps, d.get("period"))
+        except (KeyError, TypeError, ValueError, LayoutError):
             pass
         raise LayoutError(f"not a layout: {d!r}",
                           fix="it was written by another shardplan version or edited by hand")
@@ -102,19 +106,27 @@ class Shard(Placement):
     dim: int
     blocks: tuple[int, ...] | None = None
     padded: int | None = None
-    replicas: int = 1
+    replicas: int | tuple[int, ...] = 1  # a tuple: one count per block
     period: int | None = None
 
     def __post_init__(self):
         if self.blocks is not None:
             object.__setattr__(self, "blocks", tuple(self.blocks))
+        if isinstance(self.replicas, (tuple, list)):
+            reps = tuple(self.replicas)
+            if reps and len(set(reps)) == 1 and (self.blocks is None or len(reps) == len(self.blocks)):
+                reps = reps[0]  # one count for every block: the plain form
+            object.__setattr__(self, "replicas", reps)
         bad = [f for f, ok in (("dim", _is_int(self.dim)),
                                ("blocks", self.blocks is None or (
                                    len(self.blocks) > 0 and all(_is_int(b) and b > 0
                                                                 for b in self.blocks))),
                                ("padded", self.padded is None or (_is_int(self.padded)
                                                                   and self.padded > 0)),
-                               ("replicas", _is_int(self.replicas) and self.replicas > 0),
+                               ("replicas", _is_int(self.replicas) and self.replicas > 0 or (
+                                   isinstance(self.replicas, tuple) and self.blocks is not None
+                                   and len(self.replicas) == len(self.blocks) and not self.padded
+                                   and all(_is_int(r) and r > 0 for r in self.replicas))),
                                ("period", self.period is None or (
                                    _is_int(self.period) and self.period > 0 and not self.padded
                                    and sum(self.blocks or [self.period]) == self.period)))
@@ -134,8 +146,9 @@ class Shard(Placement):
         for part in (m.group(2).split("|")[1:] if m else ()):
             if re.fullmatch(r"pad\d+", part):
                 key, value = "padded", int(part[3:])
-            elif re.fullmatch(r"x\d+", part):
-                key, value = "replicas", int(part[1:])
+            elif re.fullmatch(r"x\d+(\+\d+)*", part):
+                reps = tuple(int(r) for r in part[1:].split("+"))
+                key, value = "replicas", reps if len(reps) > 1 else reps[0]
             elif re.fullmatch(r"per\d+", part):
                 key, value = "period", int(part[3:])
             elif re.fullmatch(r"\d+(\+\d+)*", part):
@@ -150,7 +163,7 @@ class Shard(Placement):
         if m is None:
             raise LayoutError(f"not a layout: {text!r}",
                               fix='write "R", "P" or "S(dim[|b1+b2+..][|padN][|xR][|perN])", '
-                                  'e.g. "S(0|32+32+32|pad128|x2)"')
+                                  'e.g. "S(0|32+32+32|pad128|x2)" or "S(0|64+16+16|x1+4+4)"')
         try:
             return cls(int(m.group(1)), **fields)
         except LayoutError as e:
@@ -162,7 +175,9 @@ class Shard(Placement):
             extra += "|" + "+".join(map(str, self.blocks))
         if self.padded:
             extra += f"|pad{self.padded}"
-        if self.replicas > 1:
+        if self.blocked_replicas:
+            extra += "|x" + "+".join(map(str, self.replicas))
+        elif self.replicas > 1:
             extra += f"|x{self.replicas}"
         if self.period:
             extra += f"|per{self.period}"
@@ -171,10 +186,28 @@ class Shard(Placement):
     def to_json(self) -> dict:
         d = {"type": "shard", "dim": self.dim,
              "blocks": list(self.blocks) if self.blocks else None,
-             "padded": self.padded, "replicas": self.replicas}
+             "padded": self.padded,
+             "replicas": list(self.replicas) if self.blocked_replicas else self.replicas}
         return {**d, "period": self.period} if self.period else d
 
+    @property
+    def blocked_replicas(self) -> bool:
+        """Do the blocks carry counts of their own (``x1+4+4``)?"""
+        return isinstance(self.replicas, tuple)
+
+    def block_replicas(self) -> tuple[int, ...]:
+        """The ranks holding each part, per block (one entry for an unblocked shard)."""
+        if self.blocked_replicas:
+            return self.replicas
+        return (self.replicas,) * len(self.blocks or (None,))
+
+    def local_blocks(self, tp: int) -> tuple[int, ...]:
+        """Each block's size on one rank."""
+        return tuple(b * r // tp for b, r in zip(self.blocks, self.block_replicas()))
+
     def local_size(self, full: int, tp: int) -> int:
+        if self.blocked_replicas:
+            return sum(self.local_blocks(tp))
         return (self.padded or full) * self.replicas // tp
 
     def slice(self, t: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
@@ -187,19 +220,25 @@ class Shard(Placement):
             pad = list(t.shape)
             pad[self.dim] = self.padded - t.shape[self.dim]
             t = torch.cat([t, t.new_zeros(pad)], self.dim)
-        parts, index = tp // self.replicas, rank // self.replicas
         segments = t.split(list(self.blocks), self.dim) if self.blocks else [t]
-        return torch.cat([s.chunk(parts, self.dim)[index] for s in segments], self.dim).clone()
+        return torch.cat([s.chunk(tp // r, self.dim)[rank // r]
+                          for s, r in zip(segments, self.block_replicas())], self.dim).clone()
 
-    def unshard(self, parts: list[torch.Tensor], full: int) -> torch.Tensor:
-        """The full tensor from every rank's part (in rank order); drops padding."""
+    def unshard(self, parts: list[torch.Tensor], full: int, copy: int = 0) -> torch.Tensor:
+        """The full tensor from every rank's part (in rank order); drops padding. A part
+        held by r ranks is read from the ``copy % r``-th of them."""
         if self.period:
             d = self.dim % parts[0].dim()
             inner = Shard(d + 1, self.blocks, None, self.replicas)
             local = self.local_size(self.period, len(parts))
             runs = [p.unflatten(d, (-1, local)) for p in parts]
-            return inner.unshard(runs, self.period).flatten(d, d + 1)
-        parts = parts[::self.replicas]
+            return inner.unshard(runs, self.period, copy).flatten(d, d + 1)
+        tp = len(parts)
+        if self.blocked_replicas:  # block i from ranks c, c + r_i, c + 2 r_i, ...
+            pieces = [p.split(list(self.local_blocks(tp)), self.dim) for p in parts]
+            return torch.cat([torch.cat([pc[i] for pc in pieces[copy % r::r]], self.dim)
+                              for i, r in enumerate(self.replicas)], self.dim)
+        parts = parts[copy % self.replicas::self.replicas]
         tp = len(parts)
         if self.blocks:
             pieces = [p.split([b // tp for b in self.blocks], self.dim) for p in parts]

@@ -136,8 +136,9 @@ def every_copy(lay, parts: list[torch.Tensor], shape) -> list[tuple[str, torch.T
     ... for each j < r), so no member of a replica group goes unchecked.
     """
     if isinstance(lay, Shard):
-        return [(f" (replica {j})" if lay.replicas > 1 else "",
-                 lay.unshard(parts[j:], shape[lay.dim])) for j in range(lay.replicas)]
+        copies = max(lay.block_replicas())
+        return [(f" (replica {j})" if copies > 1 else "",
+                 lay.unshard(parts, shape[lay.dim], j)) for j in range(copies)]
     return [(f" on rank {r}", p) for r, p in enumerate(parts)]
 
 

@@ -33,11 +33,14 @@ def full_gradient(lay, parts: list[torch.Tensor], shape, name: str = "") -> torc
         for r, p in enumerate(parts[1:], 1):
             assert torch.equal(p, parts[0]), f"{name}: rank {r}'s replica differs from rank 0's"
         return parts[0]
-    for start in range(0, len(parts), lay.replicas):
-        group = parts[start:start + lay.replicas]
-        for j, p in enumerate(group[1:], 1):
-            assert torch.equal(p, group[0]), \
-                f"{name}: rank {start + j} differs from rank {start} in their replica group"
+    tp = len(parts)
+    sizes = lay.local_blocks(tp) if lay.blocks else (parts[0].shape[lay.dim],)
+    pieces = [p.split(list(sizes), lay.dim) for p in parts]  # a count of ranks per block
+    for i, r in enumerate(lay.block_replicas()):
+        for start in range(0, tp, r):
+            for j in range(start + 1, start + r):
+                assert torch.equal(pieces[j][i], pieces[start][i]), \
+                    f"{name}: rank {j} differs from rank {start} in their replica group"
     return lay.unshard(parts, shape[lay.dim])
 
 

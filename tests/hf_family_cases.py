@@ -1,7 +1,7 @@
 """Tiny Hugging Face models of the families with MoE experts, fused multi-query
-attention, sliced fused QKV, attention with its heads merged into the batch dim,
-attention sinks, multi-head latent attention and experts looped over in eager (random
-weights, nothing downloaded)."""
+attention, sliced fused QKV, K/V heads fewer than tp, attention with its heads merged into
+the batch dim, attention sinks, multi-head latent attention and experts looped over in
+eager (random weights, nothing downloaded)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ CONFIGS = {
         hidden_size=64, num_attention_heads=8, num_kv_heads=4, new_decoder_architecture=True,
         bias=False)),
     "phi3": ("Phi3Config", dict(
-        hidden_size=32, num_attention_heads=4, num_key_value_heads=4, intermediate_size=32,
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=32,
         pad_token_id=0)),
     # heads merged into the batch dim ([B*H, T, D], bmm): BLOOM with its ALiBi bias,
     # XGLM, DeBERTa-v2 with relative positions (its position keys repeated per batch row)
@@ -58,6 +58,10 @@ CONFIGS = {
         d_model=32, n_heads=4,  # its own names: hidden_size would not reach its ffn_config
         attn_config=dict(kv_n_heads=4, clip_qkv=8.0),
         ffn_config=dict(hidden_size=32, ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2))),
+    "gpt_bigcode": ("GPTBigCodeConfig", dict(
+        hidden_size=32, num_attention_heads=4, n_inner=32, multi_query=True)),
+    "olmo2": ("Olmo2Config", dict(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=32)),
 }
 MASKED_LM = {"deberta_v2"}
 FAMILIES = list(CONFIGS)

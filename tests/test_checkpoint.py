@@ -505,9 +505,10 @@ def resume_save(ctx, path):
 # -- layouts, without a model -------------------------------------------------------------
 
 LAYOUTS = [Shard(0), Shard(1), Shard(0, (8, 4, 4)), Shard(0, None, 12), Shard(0, None, 20),
-           Shard(0, None, None, 2), Shard(0, (8, 4, 4), None, 2)]  # replicas: K/V heads < tp
+           Shard(0, None, None, 2), Shard(0, (8, 4, 4), None, 2),  # replicas: K/V heads < tp
+           Shard(0, (8, 4, 4), None, (1, 2, 2)), Shard(0, (8, 4, 4), None, (1, 4, 4))]  # per block
 CASES = [(lay, tp) for lay in LAYOUTS for tp in (1, 2, 4)
-         if lay.replicas <= tp and not (lay.padded and lay.padded % tp)]
+         if max(lay.block_replicas()) <= tp and not (lay.padded and lay.padded % tp)]
 
 
 @pytest.mark.parametrize("lay,tp", CASES, ids=lambda x: str(x))

@@ -236,3 +236,34 @@ def test_load_pretrained_folder_matches_hf(kind, saved, tmp_path):
         assert torch.equal(tokens, expected), (rank, tokens, expected)
         for name, shape in local.items():
             assert shapes[name] == shape, (rank, name, shapes[name])  # sharded, not replicated
+
+
+@pytest.mark.parametrize("tp, replicas", [(2, (1, 2, 2)), (4, (1, 4, 4)), (4, (1, 2, 2))])
+def test_blocks_with_their_own_replica_counts_load_and_chunk(tmp_path, tp, replicas):
+    """A fused multi-query QKV (``S(0|8+4+4|x1+r+r)``): each rank reads its rows from a
+    full safetensors file, and the DCP chunks it writes sit where its rows are in the full
+    tensor, the rows counted by hand: query rows ``2r, 2r + 1`` at tp 4 (``4r..4r+3`` at
+    tp 2), K/V rows split among ``tp / r`` groups."""
+    from safetensors import safe_open
+
+    from shardplan.checkpoint.dcp import _segments
+    from shardplan.checkpoint.entries import Entry
+    from shardplan.checkpoint.full import _read_local
+    from shardplan.layouts import Shard
+
+    full = torch.arange(16 * 3, dtype=torch.float32).view(16, 3)
+    safetensors.torch.save_file({"w": full}, tmp_path / "m.safetensors")
+    lay = Shard(0, (8, 4, 4), None, replicas)
+    for rank in range(tp):
+        q = 8 // tp
+        kv = 4 * replicas[1] // tp
+        g = rank // replicas[1]
+        rows = [*range(rank * q, rank * q + q), *range(8 + g * kv, 8 + g * kv + kv),
+                *range(12 + g * kv, 12 + g * kv + kv)]
+        entry = Entry("w", [], torch.empty(len(rows), 3), lay, (16, 3))
+        with safe_open(tmp_path / "m.safetensors", "pt") as f:
+            assert torch.equal(_read_local(f, "w", entry, rank, tp), full[rows]), rank
+        local = full[rows]
+        for at, start, n in _segments(lay, 16, rank, tp):
+            assert torch.equal(local[at:at + n], full[start:start + n]), rank
+        assert sum(n for _, _, n in _segments(lay, 16, rank, tp)) == len(rows)

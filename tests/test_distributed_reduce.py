@@ -171,22 +171,6 @@ def test_hf_family_shards_attention(kind):
             assert plan.param("model.layers.0.self_attn.q_norm.weight").layout == "S(0)"
 
 
-def test_olmo2_kv_heads_fewer_than_tp():
-    """OLMo2 with 2 K/V heads at tp=4: the k norm runs over K heads each held by 2 ranks
-    (a mean over tp/2 parts, each summed twice: still its mean / tp per rank). Its region
-    is weighed like any other and the plan records the answer; the q norm is distributed;
-    the model equals HF's own."""
-    model, kw = build_hf("olmo2", heads=4, kv_heads=2), inputs()
-    assert shardplan.verify(model, 4, example_inputs=kw).ok
-    plan = shardplan.plan(model, 4, example_inputs=kw)
-    attn = "model.layers.0.self_attn."
-    chosen = {c.module.removeprefix(attn): c.chosen for c in plan.choices}
-    assert chosen["q_norm"] == "distributed" and "k_norm" in chosen
-    assert plan.param(attn + "q_proj.weight").layout == "S(0)"
-    k = "S(0|x2)" if chosen["k_norm"] == "distributed" else "R"
-    assert plan.param(attn + "k_proj.weight").layout == k
-
-
 @pytest.mark.real
 @pytest.mark.timeout(300)
 def test_real_gloo_interleaved_rotary_and_distributed_norm(real_ranks):

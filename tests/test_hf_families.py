@@ -1,13 +1,15 @@
-"""Hugging Face Mixtral, Qwen2-MoE, Falcon, Phi-3, BLOOM, XGLM, DeBERTa-v2, GPT-OSS,
-DeepSeek-V3 and DBRX (tiny, random weights) at tp 2 and 4 on simulated ranks: every rank's
-logits, loss and every gradient copy equal the unsharded model's, and the experts, MLPs,
-fused projections, attention with heads merged into the batch dim, attention sinks and
-latent attention's b-projections are really split (layouts, and the parameter elements
-each rank holds)."""
+"""Hugging Face Mixtral, Qwen2-MoE, Falcon, Phi-3, GPT-BigCode, BLOOM, XGLM, DeBERTa-v2,
+GPT-OSS, DeepSeek-V3 and DBRX (tiny, random weights) at tp 2 and 4, OLMo2 at tp 4, on
+simulated ranks: every rank's logits, loss and every gradient copy equal the unsharded
+model's, the experts, MLPs, fused projections, attention with heads merged into the batch
+dim, attention sinks and latent attention's b-projections are really split (layouts, and
+the parameter elements each rank holds), and every rank's ledger is the plan's
+collectives."""
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import pytest
 
@@ -42,14 +44,20 @@ def expected(family: str, tp: int) -> dict:
         "qwen2_moe": {**attention, **experts, m + ".gate_proj.weight": "S(0)",
                       m + ".up_proj.weight": "S(0)", m + ".down_proj.weight": "S(1)",
                       m + "_gate.weight": "R"},  # 1 wide: does not split
+        # the fused [q: 4 heads | k: 1 | v: 1]: queries split, the K and V head whole on
+        # every rank
         "falcon_mqa": {"transformer.h.0.mlp.dense_h_to_4h.weight": "S(0)",
                        "transformer.h.0.mlp.dense_4h_to_h.weight": "S(1)",
-                       "transformer.h.0.self_attention.query_key_value.weight": "R"},
+                       "transformer.h.0.self_attention.query_key_value.weight":
+                           f"S(0|32+8+8|x1+{tp}+{tp})",
+                       "transformer.h.0.self_attention.dense.weight": "S(1)"},
         "falcon_gqa": {"transformer.h.0.mlp.dense_h_to_4h.weight": "S(0)",
                        "transformer.h.0.mlp.dense_4h_to_h.weight": "S(1)",
                        "transformer.h.0.self_attention.query_key_value.weight": "S(0)",
                        "transformer.h.0.self_attention.dense.weight": "S(1)"},
-        "phi3": {a + "qkv_proj.weight": "S(0|32+32+32)", a + "o_proj.weight": "S(1)",
+        # [q: 4 heads | k: 2 | v: 2]: at tp 4 each K/V head on 2 ranks, each query head on 1
+        "phi3": {a + "qkv_proj.weight": "S(0|32+16+16)" if tp == 2 else "S(0|32+16+16|x1+2+2)",
+                 a + "o_proj.weight": "S(1)",
                  "model.layers.0.mlp.gate_up_proj.weight": "S(0|32+32)",
                  "model.layers.0.mlp.down_proj.weight": "S(1)"},
         # heads interleaved per head in the fused QKV: a plain split by heads
@@ -91,14 +99,24 @@ def expected(family: str, tp: int) -> dict:
             "transformer.blocks.0.ffn.router.layer.weight": "R",
             **{f"transformer.blocks.0.ffn.experts.mlp.{w}": "S(0|32+32+32+32)"
                for w in ("w1", "v1", "w2")}},
+        # multi-query: the fused [q | k: 1 head | v: 1 head] viewed after unsqueeze and split
+        "gpt_bigcode": {"transformer.h.0.attn.c_attn.weight": f"S(0|32+8+8|x1+{tp}+{tp})",
+                        "transformer.h.0.attn.c_attn.bias": f"S(0|32+8+8|x1+{tp}+{tp})",
+                        "transformer.h.0.attn.c_proj.weight": "S(1)",
+                        "transformer.h.0.mlp.c_fc.weight": "S(0)",
+                        "transformer.h.0.mlp.c_proj.weight": "S(1)"},
+        # the k RMSNorm over both K heads, each held by 2 ranks at tp 4: distributed
+        "olmo2": {**attention, a + "q_norm.weight": "S(0)", a + "k_norm.weight": kv(tp)},
     }[family]
 
 
+CASES = [(f, tp) for f in ("mixtral", "qwen2_moe", "falcon_mqa", "falcon_gqa", "phi3",
+                           "mixtral_batched_mm", "gpt_bigcode", "bloom", "xglm", "deberta_v2",
+                           "gpt_oss", "deepseek_v3", "dbrx") for tp in (2, 4)] + [("olmo2", 4)]
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("tp", [2, 4])
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "falcon_mqa", "falcon_gqa", "phi3",
-                                    "mixtral_batched_mm", "bloom", "xglm", "deberta_v2",
-                                    "gpt_oss", "deepseek_v3", "dbrx"])
+@pytest.mark.parametrize("family,tp", CASES)
 def test_family_is_sharded_and_equal(family, tp):
     model, kw = build(family), inputs()
     results = SimulatedRanks(tp).run(step, model, kw, True, captured(family))
@@ -110,12 +128,23 @@ def test_family_is_sharded_and_equal(family, tp):
         assert {n: str(layouts[n]) for n in want} == want, f"rank {rank}"
         for name, lay in layouts.items():  # each rank holds its 1/tp (x replicas) and no more
             if isinstance(lay, Shard) and not lay.padded and name in full:
-                assert grads[name].numel() * tp == full[name].numel() * lay.replicas, name
+                per_block = [b * r // tp for b, r in zip(lay.blocks or full[name].shape[lay.dim:][:1],
+                                                         lay.block_replicas())]
+                assert grads[name].shape[lay.dim] == sum(per_block), name
     plan = results[0][5]
     # what stays whole is the plan's decision, with its reason: never a silent replica
     assert all(d.rule for d in plan.decisions if d.role == "replicated"), plan.decisions
-    if family != "falcon_mqa":
-        assert not plan.warnings, plan.warnings
+    assert not plan.warnings, plan.warnings
+    # what ranks ran is what the plan says (a replica sum of the blocks held by several
+    # ranks only; the padded logits' gather aside: the plan counts it unpadded)
+    for records in (r[4] for r in results):
+        assert Counter((r.kind, r.direction, r.elements) for r in records
+                       if r.kind != "all_gather") == \
+            Counter((c.kind, c.direction, c.elements) for c in plan.collectives
+                    if c.purpose != "gather_output")
+    if family == "olmo2":  # weighed against keeping k whole, the distributed norm wins
+        assert {c.module.rsplit(".", 1)[-1]: c.chosen for c in plan.choices} == \
+            {"q_norm": "distributed", "k_norm": "distributed"}
     if family.startswith(("mixtral", "qwen2_moe")):
         assert_params_per_rank(model, plan, tp)
     if family.startswith(("mixtral", "qwen2_moe", "deepseek_v3", "dbrx")):
@@ -132,9 +161,10 @@ def test_family_is_sharded_and_equal(family, tp):
 @pytest.mark.real
 @pytest.mark.timeout(400)
 def test_tp2_real_gloo(real_ranks):
-    """The experts' grouped GEMMs, Falcon's ``x @ W.T`` and BLOOM's heads merged into the
-    batch dim (its ALiBi sliced by the period) on two gloo processes, one launch for all."""
-    families = ("qwen2_moe", "falcon_gqa", "bloom")
+    """The experts' grouped GEMMs, Falcon's ``x @ W.T`` and its fused multi-query QKV (a
+    replica sum of the blocks every rank holds) and BLOOM's heads merged into the batch dim
+    (its ALiBi sliced by the period) on two gloo processes, one launch for all."""
+    families = ("qwen2_moe", "falcon_mqa", "bloom")
     results = real_ranks(2).run(real_steps, families)
     for i, family in enumerate(families):
         per_rank = [r[i] for r in results]

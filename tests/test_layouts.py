@@ -17,7 +17,9 @@ SHARDS = [Shard(dim, blocks, padded, replicas)
               (0, 2, -1), (None, (32,), (3072, 1024, 1024)), (None, 128), (1, 2))]
 # a dim merging a batch of any size with 4 heads (or a 4 + 8 blocked period, by pairs of ranks)
 PERIODIC = [Shard(0, period=4), Shard(-1, (4, 8), None, 2, 12)]
-PLACEMENTS = [Replicate(), Partial(), *SHARDS, *PERIODIC]
+# blocks each with its own count of ranks (a fused multi-query QKV)
+PER_BLOCK = [Shard(0, (64, 16, 16), None, (1, 4, 4)), Shard(-1, (64, 32, 32), None, (1, 2, 2))]
+PLACEMENTS = [Replicate(), Partial(), *SHARDS, *PERIODIC, *PER_BLOCK]
 
 
 @pytest.mark.parametrize("p", PLACEMENTS, ids=str)
@@ -52,6 +54,21 @@ def test_malformed_text_is_a_layout_error(text):
 def test_malformed_json_is_a_layout_error(d):
     with pytest.raises(LayoutError, match="not a layout"):
         Placement.from_json(d)
+
+
+def test_per_block_replicas_slice_and_unshard():
+    """``x1+2+2`` at tp 4: rank r holds query row r and K/V row r // 2; every copy
+    unshards to the full tensor (a hand count), and equal counts are the plain form."""
+    lay = Placement.parse("S(0|4+2+2|x1+2+2)")
+    assert lay == Shard(0, (4, 2, 2), None, (1, 2, 2)) and lay.local_size(8, 4) == 3
+    t = torch.arange(8)
+    parts = [lay.slice(t, r, 4) for r in range(4)]
+    assert [p.tolist() for p in parts] == [[0, 4, 6], [1, 4, 6], [2, 5, 7], [3, 5, 7]]
+    assert all(torch.equal(lay.unshard(parts, 8, j), t) for j in range(2))
+    assert Shard(0, (4, 4), None, (2, 2)) == Shard(0, (4, 4), None, 2)
+    for bad in ((1, 2), (0, 1, 1)):  # one count per block, each positive
+        with pytest.raises(LayoutError, match="invalid replicas"):
+            Shard(0, (4, 2, 2), None, bad)
 
 
 def test_invalid_shard_fields():

@@ -118,9 +118,9 @@ class _LoadPlanner(DefaultLoadPlanner):
 def _segments(lay: Shard, full: int, rank: int, tp: int) -> list[tuple[int, int, int]]:
     """(local start, global start, length) of each run of the TP shard along ``lay.dim``
     that is in the full tensor (padding dropped)."""
-    parts, index = tp // lay.replicas, rank // lay.replicas
     out, local, base = [], 0, 0
-    for block in lay.blocks or (lay.padded or full,):
+    for block, r in zip(lay.blocks or (lay.padded or full,), lay.block_replicas()):
+        parts, index = tp // r, rank // r
         n = block // parts
         start = base + index * n
         keep = max(0, min(n, full - start))

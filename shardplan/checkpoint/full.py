@@ -198,8 +198,8 @@ def _read_local(f, name: str, e: Entry, rank: int, tp: int) -> torch.Tensor:
         segments.append((offset, b))
         offset += b
     pieces = []
-    parts, index = tp // lay.replicas, rank // lay.replicas
-    for offset, b in segments:
+    for (offset, b), r in zip(segments, lay.block_replicas()):
+        parts, index = tp // r, rank // r
         lo, hi = offset + index * (b // parts), offset + (index + 1) * (b // parts)
         if min(hi, size) > lo:
             pieces.append(sl[(slice(None),) * d + (slice(lo, min(hi, size)),)].to(e.tensor.dtype))

@@ -86,6 +86,10 @@ def _relayout(lay, shape, tp: int, src_tp: int, key: str):
     if not isinstance(lay, Shard):
         return lay
     size, replicas = shape[lay.dim], 1
+    if lay.blocked_replicas:
+        raise CheckpointError(f"cannot reshard {key} to tp={tp}: its blocks are held by "
+                              f"different rank counts ({lay})", where=key,
+                              fix="load it at the tp it was saved with (or from a full checkpoint)")
     if lay.replicas > 1:
         heads = src_tp // lay.replicas
         if tp % heads == 0:

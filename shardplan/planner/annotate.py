@@ -41,9 +41,10 @@ from ..errors import ConfigurationError, DivisibilityError, LayoutError, Shardpl
 from ..layouts import Partial, Replicate, Shard
 from .graph import args_of, describe, floating, hint, op_name, operand, operands, shape
 from .kinds import KINDS, Conflict, Context, Outcome, Role
-from .kinds.base import any_sharded, replicated_like
+from .kinds.base import any_sharded, cumsum, replicated_like
 from .kinds.factors import labels
 from .kinds.permute import experts_view, parameter_layout, viewed_parameter
+from .kinds.pieces import piece_bounds
 from .linear_chains import earlier_f, pass_partials
 from .reshape import keeps_last_dim
 from .split_params import split_parameter
@@ -200,16 +201,19 @@ def _settle(gm, tp, rules, strict, sequence_parallel, keep, whole) -> Annotation
                 continue
             break
         retry = False
+        asked = dict(replicas)  # the counts this pass ran with
         for c in conflicts:
-            held = [o for o in c.origins if o in replicas]
-            if held:
-                c = replicas[held[0]][1]  # grouping ranks did not help: the split itself is wrong
+            want = {o: _merge(replicas.get(o, (1,))[0], _wanted(c, o, ann))
+                    for o in c.origins} if c.divisibility else {}
+            grow = {o: r for o, r in want.items() if r != replicas.get(o, (1,))[0] and r != 1}
+            held = [o for o in c.origins if o in asked]
+            if held and not grow:
+                c = asked[held[0]][1]  # grouping ranks did not help: the split itself is wrong
                 c.divisibility, c.replicas = True, 1
             if c.divisibility:
-                grow = [o for o in c.origins if c.replicas > replicas.get(o, (1,))[0]]
-                if c.replicas > 1 and grow:
-                    for o in grow:
-                        replicas[o] = (c.replicas, c)
+                if grow:
+                    for o, r in grow.items():
+                        replicas[o] = (r, c)
                     retry = True
                     continue
                 raise DivisibilityError(c.reason, where=describe(c.node), source=source_of(c.node),
@@ -235,6 +239,60 @@ def _settle(gm, tp, rules, strict, sequence_parallel, keep, whole) -> Annotation
         ann.passed = pass_partials(ann.layouts, ann.outcomes, Context(tp, rules))
     ann.transitions = _transitions(ann)
     return ann
+
+
+def _wanted(c: Conflict, opener: fx.Node, ann: Annotation):
+    """The ranks per part a divisibility conflict asks of ``opener``: its count, or one
+    per block of the opener's blocked output when the conflict reads some of its blocks
+    (Phi-3's K slice of the fused QKV, viewed as 2 heads at tp 4: ``(1, 2, 2)``)."""
+    lay = ann.layouts.get(opener)
+    n = len(lay.blocks) if isinstance(lay, Shard) and lay.blocks else 1
+    if isinstance(c.replicas, tuple):
+        return c.replicas if len(c.replicas) == n else max(c.replicas)
+    picked = _blocks_read(c.node, opener, ann) if n > 1 and c.replicas != 1 else None
+    if picked is None:
+        return c.replicas
+    return tuple(c.replicas if i in picked else 1 for i in range(n))
+
+
+def _merge(have, want):
+    """Ranks per part meeting both ``have`` and ``want`` (counts, or one per block)."""
+    if isinstance(have, int) and isinstance(want, int):
+        return max(have, want)
+    n = len(have) if isinstance(have, tuple) else len(want)
+    have = have if isinstance(have, tuple) else (have,) * n
+    want = want if isinstance(want, tuple) else (want,) * n
+    merged = tuple(max(a, b) for a, b in zip(have, want))
+    return merged[0] if len(set(merged)) == 1 else merged
+
+
+def _blocks_read(node: fx.Node, opener: fx.Node, ann: Annotation) -> range | None:
+    """Which blocks of ``opener``'s output ``node``'s first operand is made of: the piece a
+    slice or split along the blocked dim took, followed up the chain of first operands."""
+    cur = node
+    while isinstance(cur, fx.Node) and cur is not opener and cur.args:
+        src = cur.args[0]
+        if not isinstance(src, fx.Node):
+            return None
+        kind = ann.rules.kind(op_name(src if op_name(cur) == "getitem" else cur))
+        if op_name(cur) == "getitem" and kind == "split" and op_name(src) != "aten.unbind.int":
+            piece, cutter = cur.args[1], src
+        elif kind == "slice" and op_name(cur) != "aten.select.int":
+            piece, cutter = None, cur
+        else:
+            cur = src
+            continue
+        lay = ann.layouts.get(cutter.args[0])
+        dim = args_of(cutter)["dim"] % len(shape(cutter.args[0]))
+        if not (isinstance(lay, Shard) and lay.blocks and lay.dim == dim):
+            cur = cutter.args[0]
+            continue
+        ends = [0, *cumsum(lay.blocks)]
+        start, stop = piece_bounds(cutter, piece)
+        if start not in ends or stop not in ends:
+            return None
+        return range(ends.index(start), ends.index(stop))
+    return None
 
 
 def read_as(lay):
@@ -441,7 +499,10 @@ class _Pass:
         blocks = _segments(node, odim, self.ctx)
         padded = None
         r = self.replicas.get(node, 1)
-        if any(b % (self.tp // r) for b in (blocks or [size])):
+        if isinstance(r, tuple) and len(r) != len(blocks or ()):
+            r = max(r)  # the blocks a conflict saw are not this capture's
+        reps = r if isinstance(r, tuple) else (r,) * len(blocks or [size])
+        if any(b % (self.tp // k) for b, k in zip(blocks or [size], reps)):
             if blocks is None and self.rules.strategy.pad_vocabulary and _only_to_sinks(node, self.ctx):
                 padded = math.ceil(size / self.tp) * self.tp
             elif blocks is None and r == 1:
@@ -456,7 +517,9 @@ class _Pass:
         for path, _ in operands(node):
             if path != (spec.weight,) and path in lab and spec.factor in lab[path]:
                 needs[path] = shard(lab[path].index(spec.factor))  # the bias
-        rule = "open: column parallel" + (f", each part on {r} ranks" if r > 1 else "")
+        rule = "open: column parallel" + (
+            f", each block's part on {'/'.join(map(str, r))} ranks" if isinstance(r, tuple)
+            else f", each part on {r} ranks" if r > 1 else "")
         return Outcome(shard(odim), needs, role=Role.COLUMN, rule=rule)
 
     def _open_vocab(self, node) -> Outcome | None:
@@ -662,8 +725,8 @@ def _transitions(ann: Annotation) -> list[Transition]:
             out[made[key]] = _with_consumer(t, edge)
         else:
             made[key] = len(out)
-            out.append(Transition(purpose, src, (edge,), messages=(message(src),),
-                                  dtype=dtype_of(src), **fields))
+            fields.setdefault("messages", (message(src),))
+            out.append(Transition(purpose, src, (edge,), dtype=dtype_of(src), **fields))
 
     for node, o in ann.outcomes.items():
         entering = any_sharded(o.out)
@@ -687,9 +750,10 @@ def _transitions(ann: Annotation) -> list[Transition]:
                 continue
             if isinstance(need, Shard) and (a.op == "get_attr" or viewed_parameter(a)):
                 # sliced when bound
-                if need.replicas > 1 and ann.requires_grad.get(a):
+                if need.replicas != 1 and ann.requires_grad.get(a):
                     shared(Purpose.REPLICA_GRAD, a, (node, path), before=need, after=need,
-                           forward=Collective.NONE, backward=Collective.REPLICA_SUM)
+                           forward=Collective.NONE, backward=Collective.REPLICA_SUM,
+                           messages=(_replica_sum_message(a, need),))
                 continue
             if entering and ann.requires_grad.get(a):
                 src, edge = (a, (node, path)) if ann.seq_dims else \
@@ -737,6 +801,16 @@ def _transitions(ann: Annotation) -> list[Transition]:
                                   Collective.ALL_GATHER, Collective.LOCAL_SLICE,
                                   (message(a),), dtype_of(a)))
     return out
+
+
+def _replica_sum_message(a: fx.Node, lay: Shard) -> tuple[int, ...]:
+    """The buffer a replica sum all-reduces: the full tensor, or of a shard with a count
+    per block, the blocks held by several ranks."""
+    full = message(a)
+    if not lay.blocked_replicas:
+        return full
+    rows = sum(b for b, r in zip(lay.blocks, lay.replicas) if r > 1)
+    return tuple(rows if d == lay.dim % len(full) else n for d, n in enumerate(full))
 
 
 def _gathered_for_region(ann: Annotation, node: fx.Node) -> bool:

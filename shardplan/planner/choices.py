@@ -5,7 +5,8 @@ form (each rank reduces its part, the small result is all-reduced: a
 ``stat`` transition) or stop its region (the region's openers stay
 replicated, today's move). ``annotate`` plans both, per region, and keeps
 the cheaper by ``Cost``: the bytes a training step moves between ranks (both
-passes, at the example's shapes) plus the parameter bytes each rank holds.
+passes, at the example's shapes) plus the bytes each rank holds for its
+parameters in that step, each with its gradient.
 A ``Choice`` records the decision and both costs for the plan and reports.
 """
 
@@ -24,14 +25,14 @@ DISTRIBUTED, REPLICATED = "distributed", "replicated"
 @dataclass(frozen=True)
 class Cost:
     moved: int  # bytes all ranks' collectives move per step (forward + backward), per rank
-    params: int  # parameter bytes one rank holds
+    params: int  # bytes one rank holds for parameters in a training step (with gradients)
 
     @property
     def total(self) -> int:
         return self.moved + self.params
 
     def __str__(self) -> str:
-        return f"{self.moved} B moved + {self.params} B of parameters"
+        return f"{self.moved} B moved + {self.params} B of parameters and gradients"
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,10 @@ class Choice:
 
 
 def cost_of(ann) -> Cost:
-    """What the annotation ``ann`` costs per rank: bytes moved and parameter bytes held."""
+    """What the annotation ``ann`` costs per rank: bytes moved, and bytes held for the
+    parameters and the gradients of those that train (a replicated weight holds both in
+    full on every rank: a K projection kept whole at tp 4 costs more than its share of
+    a replica sum)."""
     moved = 0
     for t in ann.transitions:
         size = torch.empty((), dtype=t.dtype).element_size()
@@ -57,5 +61,5 @@ def cost_of(ann) -> Cost:
             continue
         seen.add(id(p))
         params += math.prod(local_shape(tuple(p.shape), ann.params.get(name), ann.tp)) \
-            * p.element_size()
+            * p.element_size() * (2 if p.requires_grad else 1)
     return Cost(moved, params)

@@ -37,7 +37,7 @@ def map_reshape(lay: Shard, src, dst, tp) -> Shard | tuple[str, dict]:
     pattern = _pattern(lay, src, b)
     if pattern is None:
         return "reshape mixes the sharded dim with batch/sequence dims", {}
-    period, parts = sum(pattern), tp // lay.replicas
+    period = sum(x for x, _ in pattern)
     for j in range(c, e):  # try each dst dim of the group, outermost first
         if any(is_symbolic(x) for x in dst[j + 1:e]):
             continue
@@ -47,48 +47,57 @@ def map_reshape(lay: Shard, src, dst, tp) -> Shard | tuple[str, dict]:
             continue
         row = period if merged else dst_h[j] * inner_out  # elements of one index along dst[c:j]
         rows = _rows(pattern, row)
-        if rows is None or any(blk % inner_out for blk in rows[0]):
+        if rows is None or any(blk % inner_out for blk, _ in rows[0]):
             continue
-        counts = [blk // inner_out for blk in rows[0]]  # indices of dst[j] per block
-        if all(n == 1 for n in counts) and j < e - 1 and parts > 1:
+        counts = [blk // inner_out for blk, _ in rows[0]]  # indices of dst[j] per block
+        parts = [tp // r for _, r in rows[0]]
+        if all(n == 1 for n in counts) and j < e - 1 and max(parts) > 1:
             continue  # a dim enumerating the blocks, or a new size-1 dim: the shard lies inside
             # (held whole by every rank, the size-1 dim is one head: the shard stays on it)
-        if any(n % parts for n in counts):  # the major dim carries the shard (heads): no
-            needed = tp // math.gcd(counts[0], tp) if len(counts) == 1 else 1  # moving it inward
+        if any(n % p for n, p in zip(counts, parts)):  # the major dim carries the shard (heads):
+            # no moving it inward; ranks holding a block's heads in groups would divide it
+            needed = [tp // math.gcd(n, tp) for n in counts]
+            needed = needed[0] if len(counts) == 1 else tuple(needed) \
+                if len(counts) == len(lay.blocks or ()) else 1
             return (f"split of a sharded dim into {[dst_h[k] for k in range(c, e)]} does not "
                     f"divide by tp={tp} (e.g. heads not divisible by tp)",
                     {"divisibility": True, "replicas": needed})
-        blocks, per = tuple(counts) if len(counts) > 1 else None, None
-        if merged:  # equal blocks in every period are a shorter period
-            blocks = None if len(set(counts)) == 1 else blocks
+        reps = tuple(r for _, r in rows[0])  # equal counts collapse to one (Shard)
+        blocks, per = (tuple(counts) if len(counts) > 1 else None), None
+        if merged:  # equal blocks, alike held, in every period are a shorter period
+            if blocks and len(set(counts)) == 1 and len(set(reps)) == 1:
+                blocks = None
             per = sum(counts) if blocks else counts[0]
-        return Shard(j, blocks, None, lay.replicas, per)
+        return Shard(j, blocks, None, reps if blocks else reps[0], per)
     return f"reshape {src_h} -> {dst_h} cuts the shard", {}
 
 
-def _pattern(lay: Shard, src, b: int) -> list[int] | None:
-    """One period of the shard in its reshape group, in elements: the sharded dim's blocks
-    times the static dims inside it (``[B, T, 3*H*D]`` by ``(H*D,)*3``: ``[H*D]*3``).
-    None where the period is not static: a symbolic dim inside it, or a symbolic sharded
-    dim that is not a batch count times a ``period``."""
+def _pattern(lay: Shard, src, b: int) -> list[tuple[int, int]] | None:
+    """One period of the shard in its reshape group, in elements, each block with the
+    count of ranks holding its parts: the sharded dim's blocks times the static dims inside
+    it (``[B, T, 3*H*D]`` by ``(H*D,)*3``: ``[H*D]*3``). None where the period is not
+    static: a symbolic dim inside it, or a symbolic sharded dim that is not a batch count
+    times a ``period``."""
     d = lay.dim
     if any(is_symbolic(x) for x in src[d + 1:b]) or is_symbolic(src[d]) and not lay.period:
         return None
     inner = math.prod(hint(x) for x in src[d + 1:b])
-    return [blk * inner for blk in (lay.blocks or [lay.period or hint(src[d])])]
+    return [(blk * inner, r) for blk, r in zip(lay.blocks or [lay.period or hint(src[d])],
+                                                 lay.block_replicas())]
 
 
-def _rows(pattern: list[int], row: int) -> list[list[int]] | None:
+def _rows(pattern: list[tuple[int, int]], row: int) -> list[list[tuple[int, int]]] | None:
     """The repeated pattern cut into runs of ``row`` elements, each made of whole blocks
     and all alike; None if they are not."""
-    flat = pattern * (math.lcm(sum(pattern), row) // sum(pattern))
+    size = sum(x for x, _ in pattern)
+    flat = pattern * (math.lcm(size, row) // size)
     rows, cur = [], []
     for blk in flat:
         cur.append(blk)
-        if sum(cur) == row:
+        if sum(x for x, _ in cur) == row:
             rows.append(cur)
             cur = []
-        elif sum(cur) > row:
+        elif sum(x for x, _ in cur) > row:
             return None
     return rows if not cur and all(r == rows[0] for r in rows) else None
 

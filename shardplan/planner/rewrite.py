@@ -163,7 +163,7 @@ class _Rewriter:
                     self.group, t.before, t.messages[0][t.before.dim], self._site(t.src)))
             else:  # REPLICA_GRAD
                 mod = self._module("replica_sum", SumOverReplicas(
-                    self.group, t.after.dim, t.after.replicas, self._site(t.src)))
+                    self.group, t.after, self._site(t.src)))
             at = self.graph.inserting_before(consumer) if _written_in_place(value) \
                 else self.graph.inserting_after(value)
             with at:

@@ -36,7 +36,7 @@ def split_parameter(node: fx.Node, need: Shard, params: dict, ctx: Context) -> d
         chain.append(cur)
         cur = cur.args[0]
     if not chain or cur.op != "get_attr" or cur.target not in params or len(cur.users) != 1 \
-            or need.padded or need.replicas > 1 or need.blocks:
+            or need.padded or need.replicas != 1 or need.blocks:
         return None
     for d in range(len(shape(cur))):
         if hint(shape(cur)[d]) % ctx.tp:

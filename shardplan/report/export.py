@@ -166,7 +166,7 @@ def _analyse(plan, target: str, model=None) -> tuple[OrderedDict, list[ExportIss
             continue
         ndim = len(weight.global_shape)
         dim = wlay.dim + ndim if wlay.dim < 0 else wlay.dim
-        if wlay.replicas > 1:
+        if wlay.replicas != 1:
             issues.append(ExportIssue(m.path, lay_text, f"each part is held by a group of {wlay.replicas} "
                                       "ranks (fewer heads than tp): not expressible on a 1-D mesh"))
             continue

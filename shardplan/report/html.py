@@ -63,7 +63,9 @@ def describe_layout(text: str) -> str:
         words += f", by blocks {'+'.join(map(str, lay.blocks))} (each rank holds its slice of every block)"
     if lay.padded:
         words += f", padded to {lay.padded}"
-    if lay.replicas > 1:
+    if lay.blocked_replicas:
+        words += f", each block's part held by {'/'.join(map(str, lay.replicas))} ranks"
+    elif lay.replicas > 1:
         words += f", each part held by {lay.replicas} ranks"
     return words
 
@@ -246,7 +248,7 @@ def _glyph(p, cat: str, tp: int) -> str:
         vertical = two_d and dim == ndim - 2
         full = lay.padded or (p.global_shape[dim] if p.global_shape else 1)
         segments = list(lay.blocks) if lay.blocks else [full]
-        parts = max(1, tp // max(lay.replicas, 1))
+        parts = max(1, tp // max(lay.block_replicas()))
         span = H - 1 if vertical else W - 1
         pos = 0.5
         total = float(sum(segments)) or 1.0

@@ -193,35 +193,49 @@ class LocalShard(nn.Module):
 
 class _SumOverReplicas(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, w, group, dim, replicas, site):
-        ctx.group, ctx.dim, ctx.replicas, ctx.site = group, dim, replicas, site
+    def forward(ctx, w, group, layout, site):
+        ctx.group, ctx.layout, ctx.site = group, layout, site
         return w.view_as(w)
 
     @staticmethod
     def backward(ctx, grad):
-        g, dim, n = ctx.group, ctx.dim, grad.shape[ctx.dim]
-        parts, index = g.size // ctx.replicas, g.rank // ctx.replicas
-        shape = list(grad.shape)
-        shape[dim] = n * parts
-        buf = grad.new_zeros(shape)
-        buf.narrow(dim, index * n, n).copy_(grad)
-        total = g.all_reduce(buf, direction="backward", site=ctx.site)
-        return total.narrow(dim, index * n, n).clone(), None, None, None, None  # drop the buffer
+        g, lay = ctx.group, ctx.layout
+        sizes = lay.local_blocks(g.size) if lay.blocks else (grad.shape[lay.dim],)
+        pieces = list(grad.split(list(sizes), lay.dim))
+        summed = [i for i, r in enumerate(lay.block_replicas()) if r > 1]
+        bufs = []  # a zero-padded full-size buffer of each block held by several ranks
+        for i in summed:
+            r, n = lay.block_replicas()[i], sizes[i]
+            shape = list(grad.shape)
+            shape[lay.dim] = n * (g.size // r)
+            buf = grad.new_zeros(shape)
+            buf.narrow(lay.dim, (g.rank // r) * n, n).copy_(pieces[i])
+            bufs.append(buf)
+        total = g.all_reduce(torch.cat(bufs, lay.dim), direction="backward", site=ctx.site)
+        at = 0
+        for i, buf in zip(summed, bufs):
+            r, n = lay.block_replicas()[i], sizes[i]
+            pieces[i] = total.narrow(lay.dim, at + (g.rank // r) * n, n)
+            at += buf.shape[lay.dim]
+        return torch.cat(pieces, lay.dim).clone(), None, None, None  # drop the buffer
 
 
 class SumOverReplicas(nn.Module):
     """Identity forward; backward sums a parameter part's gradient over the ranks
-    that hold the same part (``Shard(replicas=r)``), so their copies stay equal."""
+    that hold the same part (``Shard(replicas=r)``), so their copies stay equal; of a
+    blocked shard with a count per block, the blocks held by several ranks, in one
+    all-reduce."""
 
-    def __init__(self, group: Group, dim: int, replicas: int, site: str):
+    def __init__(self, group: Group, layout: Shard, site: str):
         super().__init__()
-        self.group, self.dim, self.replicas, self.site = group, dim, replicas, site
+        self.group, self.layout, self.site = group, layout, site
 
     def forward(self, w):
         if torch.compiler.is_dynamo_compiling() and w.requires_grad and torch.is_grad_enabled():
-            traced(w, "all_reduce", self.group.size, self.group.size // self.replicas,
+            traced(w, "all_reduce", self.group.size,
+                   self.group.size // min(r for r in self.layout.block_replicas() if r > 1),
                    "backward", self.site)
-        return _SumOverReplicas.apply(w, self.group, self.dim, self.replicas, self.site)
+        return _SumOverReplicas.apply(w, self.group, self.layout, self.site)
 
 
 class ModelParallelRNG(nn.Module):

@@ -229,7 +229,13 @@ def _owned(model: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor], li
         spec = spec_of(p)
         lay = spec.layout["tp"] if spec is not None else None
         if isinstance(lay, Shard):
-            if rank % lay.replicas == 0:  # the first rank of the ranks sharing this slice
+            if lay.blocked_replicas:  # each block's slice once, by the first of its ranks
+                at = 0
+                for n, r in zip(lay.local_blocks(group.size if group else 1), lay.replicas):
+                    if rank % r == 0:
+                        owned.append(grad.narrow(lay.dim, at, n))
+                    at += n
+            elif rank % lay.replicas == 0:  # the first rank of the ranks sharing this slice
                 owned.append(grad)
         elif rank == 0:  # replicated: the same on every TP rank, counted once
             owned.append(grad)

@@ -82,6 +82,18 @@ def _expand_labels(spec: str, rank: int) -> list[str] | None:
     return None
 
 
+def _broadcast_whole(node, lays, labels, tp) -> set:
+    """Operands held whole by every rank (``Shard(d, replicas=tp)``: one K/V head beside
+    split query heads) that broadcast (size 1) along the factor another operand is split
+    on: they are used as they are, as a replicated one would be, and their gradient stays
+    the ranks' partial sums (Falcon's ``q @ k.transpose(-1, -2)`` with one K head)."""
+    whole = {p for p, lay in lays.items() if isinstance(lay, Shard) and p in labels
+             and lay.replicas == tp and hint(shape(operand(node, p))[lay.dim]) == 1}
+    split = {labels[p][lay.dim] for p, lay in lays.items()
+             if isinstance(lay, Shard) and p not in whole and p in labels}
+    return {p for p in whole if labels[p][lays[p].dim] in split} if len(split) == 1 else set()
+
+
 def factor_rule(node, lays, labels, tp, *, partial_ok, shardable, rule) -> Outcome:
     """The shared rule of einsum and elementwise ops: one sharded factor at most.
 
@@ -96,13 +108,14 @@ def factor_rule(node, lays, labels, tp, *, partial_ok, shardable, rule) -> Outco
         for f, d in zip(lab, shp):
             sizes[f] = max(sizes.get(f, 1), hint(d))
     sharded: dict = {}
+    held = _broadcast_whole(node, lays, labels, tp)
     for p, lay in lays.items():
-        if isinstance(lay, Shard):
+        if isinstance(lay, Shard) and p not in held:
             if p not in labels:
                 return conflict(node, "sharded operand outside the op's signature")
             f = labels[p][lay.dim]
             key = (lay.blocks, lay.padded, lay.replicas, lay.period)
-            if lay.replicas > 1 and not rule.startswith("elementwise") and f not in labels["out"]:
+            if lay.replicas != 1 and not rule.startswith("elementwise") and f not in labels["out"]:
                 return conflict(node, f"{op_name(node)} on a dim held by groups of ranks")
             if sharded.setdefault(f, key) != key:
                 return conflict(node, "operands sharded with different blocks")
@@ -116,7 +129,9 @@ def factor_rule(node, lays, labels, tp, *, partial_ok, shardable, rule) -> Outco
         if p == "out":
             continue
         size = hint(shape(operand(node, p))[lab.index(f)]) if f in lab else 1
-        if size == 1:
+        if p in held:
+            needs[p] = lays[p]  # as it is: whole on every rank
+        elif size == 1:
             needs[p] = R
         elif size == sizes[f] or (sizes[f] % size == 0 and size % tp == 0
                                   and not (blocks or padded or period)):

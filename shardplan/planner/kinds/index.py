@@ -5,7 +5,9 @@
 kept whole, the indexed ones are replaced by the index's shape. A shard on a
 kept dim moves with it (the indexed dims must be next to each other, as
 then the result keeps their place); the index tensors are used whole.
-Indexing the sharded dim itself is not local.
+Indexing the sharded dim itself is local only where a constant index picks
+blocks every rank holds whole, at the same offset locally (Falcon's one K and
+one V head after its split query heads).
 
 ``gather(x, dim, index)`` (DeBERTa's relative-position scores picked per
 query and key) reads along ``dim`` only: x, index and the result share every
@@ -15,9 +17,12 @@ one is sliced here), provided the index is as long as x there.
 
 from __future__ import annotations
 
-from ..graph import args_of, hint, operands, shape
+import torch
+import torch.fx as fx
+
+from ..graph import args_of, hint, op_name, operands, shape
 from ...layouts import Partial, Shard
-from .base import R, Context, Kind, Outcome, conflict, register, with_dim
+from .base import R, Context, Kind, Outcome, conflict, cumsum, register, with_dim
 
 
 @register
@@ -33,7 +38,12 @@ class IndexKind(Kind):
             return conflict(node, "an index tensor that is split")
         hit = [i for i, x in enumerate(indices) if x is not None]
         if lay.dim in hit:
-            return conflict(node, "index along the sharded dim")
+            whole = _whole_blocks(lay, indices[lay.dim], hint(shape(node.args[0])[lay.dim]),
+                                  ctx.tp) if hit == [lay.dim] else None
+            if whole is None:
+                return conflict(node, "index along the sharded dim")
+            return Outcome(whole, {p: R for p in lays if p != (0,)},
+                           rule="index of blocks every rank holds whole")
         if hit != list(range(hit[0], hit[-1] + 1)):
             return conflict(node, "indexed dims apart from each other (their result moves first)")
         if lay.dim < hit[0]:
@@ -64,3 +74,43 @@ class GatherKind(Kind):
         if hint(shape(node.args[0])[lay.dim]) != hint(shape(a["index"])[lay.dim]):
             return conflict(node, "gather with an index shorter than its input on the sharded dim")
         return Outcome(lay, {src: lay, index: lay}, rule="gather (other dims)")
+
+
+def _whole_blocks(lay: Shard, index, full: int, tp: int) -> Shard | None:
+    """``x[..., [-2], :]`` of a blocked shard whose picked block is held whole by every
+    rank (Falcon's one K head beside split queries), at the same offset from the end (or
+    the start) on each rank as in the full tensor: the result is held whole, its
+    gradient summed over the ranks like the block's. None when that does not hold."""
+    at = constant_index(index)
+    if not at or not lay.blocks or lay.padded:
+        return None
+    ends = list(cumsum(lay.blocks))
+    whole = [r == tp for r in lay.block_replicas()]
+    for v in at:
+        i = next(k for k, e in enumerate(ends) if v % full < e)
+        if not all(whole[i:] if v < 0 else whole[:i + 1]):
+            return None
+    return Shard(lay.dim, None, None, tp)
+
+
+_CONSTANT_COPIES = {"aten.lift_fresh_copy.default", "aten.clone.default", "aten.detach.default"}
+
+
+def constant_index(node) -> list[int] | None:
+    """The values of an index tensor the graph holds as a constant (``x[..., [-2], :]``
+    lifts ``tensor([-2])``), or None when it is computed or not at hand."""
+    while isinstance(node, fx.Node) and node.op == "call_function" \
+            and op_name(node) in _CONSTANT_COPIES:
+        node = node.args[0]
+    if not isinstance(node, fx.Node) or node.op != "get_attr":
+        return None
+    owner, _, leaf = node.target.rpartition(".")
+    root = node.graph.owning_module
+    try:
+        t = getattr(root.get_submodule(owner) if owner else root, leaf)
+    except AttributeError:
+        return None
+    if not isinstance(t, torch.Tensor) or t.is_meta or t.is_floating_point() or t.dim() != 1 \
+            or isinstance(t, torch._subclasses.FakeTensor):
+        return None
+    return [int(v) for v in t.tolist()]

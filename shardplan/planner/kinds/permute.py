@@ -86,7 +86,7 @@ def parameter_layout(node: fx.Node, need: Shard) -> Shard | None:
         return None
     experts = experts_view(node.args[0])
     if experts and d == 0:  # each expert's rows, split alike: the experts as blocks
-        if need.blocks or need.padded or need.replicas > 1:
+        if need.blocks or need.padded or need.replicas != 1:
             return None
         rows = shape(src)[0] // experts[1]
         return Shard(0, (rows,) * experts[1] if experts[1] > 1 else None)

@@ -34,12 +34,14 @@ class SplitKind(Kind):
             d = lay.dim - (1 if op_name(node) in _DROPS_DIM and lay.dim > dim else 0)
             return Outcome(tuple(with_dim(lay, d) for _ in pieces), rule="split (other dim)")
         sizes = [hint(p[dim]) for p in pieces]
-        groups = group_blocks(lay, sizes) if lay.replicas == 1 and not lay.period else None
-        if groups is None:
+        out = _pieces(lay, dim, sizes) if not lay.period else None
+        if out is None:
             return conflict(node, f"split {sizes} across the sharded dim does not follow its "
                                   f"blocks {lay.blocks}")
-        return Outcome(tuple(Shard(dim, g if len(g) > 1 else None) for g in groups),
-                       rule="split (sharded dim, by blocks)")
+        if op_name(node) == "aten.split.Tensor" and \
+                len({o.local_size(n, ctx.tp) for o, n in zip(out, sizes[:-1])}) > 1:
+            return conflict(node, "equal pieces of blocks held by different rank counts")
+        return Outcome(out, rule="split (sharded dim, by blocks)")
 
     def cuts(self, node, dim) -> set[int]:
         if op_name(node) in _DROPS_DIM or args_of(node)["dim"] % len(shape(node.args[0])) != dim:
@@ -52,7 +54,9 @@ class SplitKind(Kind):
         if arg is None or args["dim"] % len(shape(node.args[0])) != src.dim:
             return {}
         sizes = args[arg]
-        return {arg: [s // tp for s in sizes] if isinstance(sizes, (list, tuple)) else sizes // tp}
+        if isinstance(sizes, (list, tuple)):
+            return {arg: [o.local_size(n, tp) for o, n in zip(out, sizes)]}
+        return {arg: out[0].local_size(sizes, tp)}
 
 
 @register
@@ -77,11 +81,10 @@ class SliceKind(Kind):
             return Outcome(lay, rule="slice (all of it)") if (start, stop) == (0, full) else \
                 conflict(node, f"slice [{start}:{stop}] of a dim merging batch and heads")
         bounds = [0, *cumsum(lay.blocks or [full])]
-        if start not in bounds or stop not in bounds or lay.padded or lay.replicas > 1:
+        if start not in bounds or stop not in bounds or lay.padded or start == stop:
             return conflict(node, f"slice [{start}:{stop}] cuts a block of the sharded dim")
-        inner = [b for b, s in zip(lay.blocks or [full], bounds[1:]) if start <= s - b and s <= stop]
-        return Outcome(Shard(dim, tuple(inner) if len(inner) > 1 else None),
-                       rule="slice (sharded dim, whole blocks)")
+        piece = _piece(lay, dim, bounds.index(start), bounds.index(stop))
+        return Outcome(piece, rule="slice (sharded dim, whole blocks)")
 
     def cuts(self, node, dim) -> set[int]:
         if op_name(node) in _DROPS_DIM or args_of(node)["dim"] % len(shape(node.args[0])) != dim:
@@ -94,28 +97,62 @@ class SliceKind(Kind):
         if op_name(node) in _DROPS_DIM or args["dim"] % len(shape(node.args[0])) != src.dim \
                 or src.period:  # the whole dim: nothing to change
             return {}
-        start, stop = _range(node, hint(shape(node.args[0])[src.dim]))
+        full = hint(shape(node.args[0])[src.dim])
+        start, stop = _range(node, full)
         if start is None:  # every step-th of the whole dim: the same start, the end clamps
             return {}
+        bounds = [0, *cumsum(src.blocks or [full])]
+        local = [0, *cumsum(src.local_blocks(tp) if src.blocks else [src.local_size(full, tp)])]
+        start, stop = local[bounds.index(start)], local[bounds.index(stop)]
         if "length" in args:
-            return {"start": start // tp, "length": (stop - start) // tp}
-        return {"start": start // tp, "end": stop // tp}
+            return {"start": start, "length": stop - start}
+        return {"start": start, "end": stop}
+
+
+def piece_bounds(node, piece: int | None) -> tuple[int | None, int | None]:
+    """``[start, stop)`` along its dim of what ``node`` cuts out: a slice's range, or
+    piece ``piece`` of a split; (None, None) for a strided slice."""
+    dim = args_of(node)["dim"] % len(shape(node.args[0]))
+    if piece is None:
+        return _range(node, hint(shape(node.args[0])[dim]))
+    sizes = [hint(v.shape[dim]) for v in node.meta["val"]]
+    return sum(sizes[:piece]), sum(sizes[:piece + 1])
+
+
+def _piece(lay: Shard, dim: int, i: int, j: int) -> Shard:
+    """The shard of blocks ``i:j`` of ``lay`` (each block keeps its replica count)."""
+    blocks, reps = (lay.blocks or (None,))[i:j], lay.block_replicas()[i:j]
+    return Shard(dim, blocks if len(blocks) > 1 else None, None,
+                 reps if len(reps) > 1 else reps[0])
+
+
+def _pieces(lay: Shard, dim: int, sizes: list[int]) -> list[Shard] | None:
+    """The shards of consecutive pieces of ``sizes`` along ``lay``'s dim, made of whole
+    blocks; None if a piece would cut one."""
+    groups = group_blocks(lay, sizes)
+    if groups is None:
+        return None
+    out, i = [], 0
+    for g in groups:
+        out.append(_piece(lay, dim, i, i + len(g)))
+        i += len(g)
+    return tuple(out)
 
 
 def _strided(node, lay: Shard, full: int, tp: int) -> Outcome:
     """``x[start::step]`` over the whole sharded dim (GPT-OSS's interleaved gate | up,
     ``gate_up[..., ::2]`` and ``[..., 1::2]``): local when every rank's part of every
-    block is whole periods of ``step``; each rank then takes every step-th of its part,
+    block is a whole multiple of ``step``; each rank then takes every step-th of its part,
     and the result is sharded the same way, its blocks ``step`` times smaller."""
     a = args_of(node)
     start, stop, step = a["start"] or 0, a["end"], a["step"]
     blocks = lay.blocks or (full,)
     if not (isinstance(start, int) and isinstance(step, int) and 0 <= start < step) \
             or (stop is not None and not (isinstance(stop, int) and stop >= full)) \
-            or lay.padded or lay.replicas > 1 or any(b % (tp * step) for b in blocks):
+            or lay.padded or lay.replicas != 1 or any(b % (tp * step) for b in blocks):
         return conflict(node, "strided slice on the sharded dim")
     return Outcome(Shard(lay.dim, tuple(b // step for b in blocks) if lay.blocks else None),
-                   rule=f"strided slice [{start}::{step}] (sharded dim, whole periods per rank)")
+                   rule=f"strided slice [{start}::{step}] (sharded dim, whole multiples per rank)")
 
 
 def _range(node, full: int):

@@ -17,7 +17,9 @@ from ..reshape import map_reshape, reshape_groups
 from ...layouts import Shard
 from .equation import _labels as einsum_labels
 from .permute import _PERMUTATIONS
-from .base import Conflict, Context, Kind, Outcome, conflict, local_size, register, with_dim
+from .base import Conflict, Context, Kind, Outcome, conflict, cumsum, local_size, register, \
+    with_dim
+from .index import constant_index
 
 _DROPS = {"aten.unbind.int", "aten.select.int"}  # pieces lose the cut dim
 _CUTS = _DROPS | {"aten.split.Tensor", "aten.split_with_sizes.default", "aten.chunk.default",
@@ -39,14 +41,15 @@ class ReshapeKind(Kind):
     def rule(self, node, lays, ctx: Context) -> Outcome:
         lay = lays[(0,)]
         src, dst = list(shape(node.args[0])), shape(node)
-        if lay.replicas > 1 and _merges_expanded_copies(node, lay, ctx):
+        if lay.replicas != 1 and _merges_expanded_copies(node, lay, ctx):
             d = lay.dim  # the copies of each part are split between the ranks holding it
             src[d:d + 2] = [hint(src[d]) * hint(src[d + 1])]  # [B, KV, n, T, D] -> [B, KV*n, T, D]
             lay = Shard(d)
         res = map_reshape(lay, src, dst, ctx.tp)
-        if isinstance(res, Shard) and lay.replicas == 1 and _one_head_split(node, lay, res, ctx):
+        if isinstance(res, Shard) and lay.replicas == 1 and (
+                _one_head_split(node, lay, res, ctx) or _inside_one_head(node, lay, ctx)):
             return Outcome(None, conflict=Conflict(  # hold the one head on every rank
-                node, "one head (a new size-1 dim) broadcast against more heads later",
+                node, "one head (a size-1 dim) broadcast against more heads later",
                 divisibility=True, replicas=ctx.tp))
         if isinstance(res, tuple):
             reason, extra = res
@@ -59,9 +62,9 @@ class ReshapeKind(Kind):
         pieces' edges, so the column shard is blocked ``[q_r | k_r | v_r]``."""
         src, dst = [hint(x) for x in shape(node.args[0])], [hint(x) for x in shape(node)]
         for (a, b), (c, e) in reshape_groups(src, dst) or []:
-            if (a, b) == (dim, dim + 1) and e - c >= 2 and dst[c] > 1 and _taken_apart(node, c):
+            if (a, b) == (dim, dim + 1) and e - c >= 2 and dst[c] > 1:
                 piece = src[dim] // dst[c]
-                return {k * piece for k in range(1, dst[c])}
+                return {k * piece for k in _cut_points(node, c) if 0 < k < dst[c]}
         return set()
 
     def local_args(self, node, src, out, tp, divide) -> dict:
@@ -85,9 +88,13 @@ class ExpandKind(Kind):
     def rule(self, node, lays, ctx: Context) -> Outcome:
         lay = lays[(0,)]
         src, dst = shape(node.args[0]), shape(node)
+        if lay.replicas == ctx.tp and not lay.blocks:
+            lay = _onto_repeated_head(lay, [hint(x) for x in src], [hint(x) for x in dst])
         d = lay.dim + len(dst) - len(src)
         if hint(dst[d]) != hint(src[lay.dim]):
             return conflict(node, "expand along a sharded dim")
+        if lay.blocked_replicas:
+            return conflict(node, "expand of blocks held by different rank counts")
         if lay.replicas > 1:  # broadcast copies of a part held by several ranks: split them
             e = lay.dim + 1  # [B, KV, 1, T, D] -> [B, KV, n, T, D]
             copies = hint(dst[d + 1]) if e < len(src) and hint(src[e]) == 1 else 0
@@ -130,6 +137,28 @@ class RepeatKind(Kind):
             return conflict(node, "repeat of a padded or symbolic sharded dim")
         return Outcome(replace(lay, dim=d, period=lay.period or hint(size)),
                        rule="repeat (the shard in every copy)")
+
+
+def _onto_repeated_head(lay: Shard, src, dst) -> Shard:
+    """A tensor every rank holds whole is held on any of its dims alike; one whose size-1
+    dim (one K/V head) is followed by a size-1 dim this expand repeats is taken as held on
+    that head, so the copies split between the ranks (GPT-BigCode's one K head, its
+    head dim the split one in the fused output): ``[B, 1, 1, T, D] -> [B, 1, n, T, D]``."""
+    off = len(dst) - len(src)
+    for e in range(1, len(src)):
+        if src[e] == 1 and dst[e + off] > 1 and src[e - 1] == 1:
+            return Shard(e - 1, None, None, lay.replicas)
+    return lay
+
+
+def _inside_one_head(node, lay: Shard, ctx: Context) -> bool:
+    """Does ``node``'s input hold one head in a size-1 dim before its split dim, later
+    broadcast against more heads? Then the split cuts inside that head (GPT-BigCode's
+    ``c_attn(x).unsqueeze(1).split(...)``: the K piece ``[B, 1, T, D]`` split on D)."""
+    src = [hint(x) for x in shape(node.args[0])]
+    if lay.blocks or lay.padded:
+        return False
+    return any(src[h] == 1 and _broadcast_later(node.args[0], h, ctx) for h in range(lay.dim))
 
 
 def _merges_expanded_copies(node, lay: Shard, ctx: Context) -> bool:
@@ -224,20 +253,35 @@ def _einsum_dim(node, operand, d: int) -> int | None:
     return lab["out"].index(letter) if letter in lab["out"] else None
 
 
-def _taken_apart(node, d: int) -> bool:
-    """Is dim ``d`` of ``node`` cut into pieces by a split, unbind or index along it,
-    directly or after permutes and cuts along other dims?"""
+def _cut_points(node, d: int) -> set[int]:
+    """Where dim ``d`` of ``node`` is cut into pieces by a split, unbind, slice or index
+    along it, directly or after permutes and cuts along other dims: indices along ``d``
+    (Falcon's ``[..., :-2, :]``, ``[..., [-2], :]``, ``[..., [-1], :]`` of ``H + 2`` heads
+    cut at ``H`` and ``H + 1``)."""
+    size = hint(shape(node)[d])
+    out: set[int] = set()
     for user in node.users:
         name = op_name(user) if user.op == "call_function" else ""
         if name in _PERMUTATIONS:
-            if _taken_apart(user, _PERMUTATIONS[name](args_of(user), len(shape(user))).index(d)):
-                return True
+            out |= _cut_points(user, _PERMUTATIONS[name](args_of(user), len(shape(user))).index(d))
+        elif name == "aten.index.Tensor" and user.args[0] is node:
+            idx = list(args_of(user)["indices"])
+            at = constant_index(idx[d]) if d < len(idx) and idx[d] is not None else None
+            out |= {p for v in at or () for p in (v % size, v % size + 1)}
         elif name in _CUTS:
             cut, val = args_of(user)["dim"] % len(shape(node)), user.meta.get("val")
             pieces = isinstance(val, (list, tuple))
-            if cut == d and (pieces and len(val) > 1 or name in _DROPS
-                             or not pieces and hint(val.shape[d]) < hint(shape(node)[d])):
-                return True
-            if cut != d and not pieces and _taken_apart(user, d - (name in _DROPS and cut < d)):
-                return True
-    return False
+            if cut == d and name in _DROPS:
+                out |= set(range(1, size))
+            elif cut == d and pieces and len(val) > 1:
+                out |= set(cumsum(hint(v.shape[d]) for v in val))
+            elif cut == d and not pieces and hint(val.shape[d]) < size:
+                a = args_of(user)
+                start = a.get("start") or 0
+                start = start % size if isinstance(start, int) else None
+                stop = hint(val.shape[d])
+                out |= set(range(1, size)) if start is None or a.get("step", 1) != 1 \
+                    else {start, start + stop}
+            elif cut != d and not pieces:
+                out |= _cut_points(user, d - (name in _DROPS and cut < d))
+    return out
