@@ -35,7 +35,7 @@ COMMAND = "python -m benchmarks.coverage"
 TPS = (2, 4)
 VOCAB = 256
 BATCH, SEQ = 2, 8
-TIMEOUT_S = 240
+TIMEOUT_S = 360  # plan and verify at tp 2 and 4, and the tp 2 exports
 
 #: the survey's default: the families the issue names, then a spread of the rest
 REPRESENTATIVE = [
@@ -307,9 +307,15 @@ def _names(params: list[str]) -> str:
     return ", ".join(folded[:4]) + (f" (+{len(folded) - 4})" if len(folded) > 4 else "")
 
 
+def tp2(result: dict) -> dict:
+    """The tp 2 run (keys are strings once a child's result went through JSON)."""
+    runs = result.get("runs", {})
+    return runs.get(2) or runs.get("2") or {}
+
+
 def export_cells(result: dict) -> str:
     """The tp 2 export outcomes: ``HF / DTensor``."""
-    run = result.get("runs", {}).get(2, {})
+    run = tp2(result)
     if "export" not in run:
         return ""
     return " / ".join(f"{'HF' if t == 'hf' else 'DTensor'}: {run['export'][t]}" for t in ("hf", "dtensor"))
@@ -379,11 +385,11 @@ def run_exports(results, tmp: str) -> None:
     """Run every exported tp 2 plan in its runtime (one real gloo launch for all)."""
     from . import export_check
     prepared = {family: Path(tmp) / family for family, _, r in results
-                if any(v == "exported" for v in r.get("runs", {}).get(2, {}).get("export", {}).values())}
+                if any(v == "exported" for v in tp2(r).get("export", {}).values())}
     t0 = time.perf_counter()
     for (family, target), outcome in export_check.run_all(prepared).items():
         result = next(r for f, _, r in results if f == family)
-        result["runs"][2]["export"][target] = outcome
+        tp2(result)["export"][target] = outcome
     print(f"{'exports run':24} {len(prepared)} families {time.perf_counter() - t0:5.0f} s", file=sys.stderr,
           flush=True)
 
@@ -413,8 +419,7 @@ def summary(results) -> str:
         counts[outcome_of(r)] += 1
     text = ", ".join(f"{n} {o}" for o, n in counts.items())
     for target, name in (("hf", "HF tp_plan export"), ("dtensor", "DTensor export")):
-        kinds = [export_kind(r["runs"][2]["export"][target]) for _, _, r in results
-                 if "export" in r.get("runs", {}).get(2, {})]
+        kinds = [export_kind(tp2(r)["export"][target]) for _, _, r in results if "export" in tp2(r)]
         if kinds:
             shown = ["runs equal", "refused", "WRONG", "crash"] + (["exported"] if "exported" in kinds else [])
             text += f"; {name}: " + ", ".join(f"{kinds.count(k)} {k}" for k in shown)

@@ -66,3 +66,16 @@ def test_gpt2_surveys_equal_and_sharded():
     run = coverage.run_tp(model, 2, coverage.example_inputs("causal"))
     assert coverage.classify(run) == ("equal+sharded", "")
     assert run["collectives"] == coverage.megatron_collectives(layers, "causal")
+
+
+def test_export_column_and_summary():
+    result = {"runs": {"2": _run(export={"hf": "runs equal", "dtensor": "refused: m [R]: no style"}),
+                       "4": _run()}, "layers": {"layers": 2, "cross": 0}}
+    assert coverage.export_cells(result) == "HF: runs equal / DTensor: refused: m [R]: no style"
+    cells = coverage.row("llama", "causal", {**result, "runs": {2: result["runs"]["2"], 4: _run()}})
+    assert cells[3] == coverage.export_cells(result) and len(cells) == 7
+    text = coverage.summary([("llama", "causal", {**result, "runs": {
+        2: {**result["runs"]["2"], "bytes_per_rank": 1, "bytes_unsharded": 2, "collectives": 13,
+            "extra_kinds": [], "plan_s": 1.0}, 4: _run()}})])
+    assert "HF tp_plan export: 1 runs equal, 0 refused, 0 WRONG, 0 crash" in text
+    assert "DTensor export: 0 runs equal, 1 refused" in text

@@ -216,6 +216,7 @@ def _analyse(plan, target: str, model=None) -> tuple[OrderedDict, list[ExportIss
                                           f"beside a {role} weight: the style would place it differently"))
         if model is not None and m.style:
             _check_module_type(model, m, issues)
+    _tied_owners(plan, mods, params_of, model, issues)
 
     order = {}
     for p in plan.params:
@@ -232,6 +233,33 @@ def _analyse(plan, target: str, model=None) -> tuple[OrderedDict, list[ExportIss
             issues.append(ExportIssue(owners[0], p.layout, f"parameter {p.name} is split but no exported "
                                       "module owns it"))
     return mods, issues
+
+
+def _tied_owners(plan, mods, params_of, model, issues: list) -> None:
+    """Every module holding a split tied weight gets the style of the one that reads it (BART's
+    ``shared`` embedding, never called, beside its encoder's and decoder's ``embed_tokens``):
+    both runtimes tie the weights again after placing them, and a tie to a module left whole
+    mixes a plain tensor with a DTensor. An owner of another type (BERT's decoder bias, also
+    held by its prediction head) has no style to give: refused."""
+    for p in plan.params:
+        names = [p.name, *p.aliases]
+        if not p.aliases or p.layout == "R":
+            continue
+        owners = list(dict.fromkeys(_owner(n)[0] for n in names))
+        styled = [o for o in owners if o in mods and mods[o].style]
+        if not styled:
+            continue
+        lead = mods[styled[0]]
+        for o in owners:
+            if o in styled:
+                continue
+            if model is not None and type(model.get_submodule(o)) is type(model.get_submodule(lead.path)):
+                mods[o] = _Module(o, set(lead.roles), params_of.get(o, {}), style=lead.style)
+                continue
+            issues.append(ExportIssue(o, p.layout, f"tied to {lead.path}'s split {_owner(p.name)[1]} "
+                                      f"({', '.join(names)}), but no style places it here: the "
+                                      "runtime ties them again after placing them, mixing a plain "
+                                      "tensor with a DTensor"))
 
 
 def _experts(m: _Module) -> bool:
@@ -352,7 +380,7 @@ def _runtime_issues(plan, mods, model, example_inputs, target: str) -> list[Expo
     # the baseline, as it is: a plan with a distributed reduction is refused before this
     ann = annotate(whole.gm, tp, load_rules(plan.rules), distribute=False)
     _gather_heads(ann, mods)
-    problems = _grad_sums(ann, mods, meta, target)
+    problems = _grad_sums(ann, mods, meta, target) or _written_in_place(whole.gm, mods)
     if problems:
         return problems
     for m in mods.values():
@@ -422,7 +450,6 @@ def _grad_sums(ann, mods, model, target: str) -> list[ExportIssue]:
     module (``replicated_with_grad_allreduce``: every parameter of the module summed);
     DTensor's styles do not."""
     from ..planner.capture import source_of
-    from ..planner.kinds.permute import viewed_parameter
     from ..planner.transitions import Purpose
 
     owners: dict[str, set] = {}
@@ -430,12 +457,12 @@ def _grad_sums(ann, mods, model, target: str) -> list[ExportIssue]:
     for t in ann.transitions:
         if t.purpose is not Purpose.F:
             continue
-        src = t.src if t.src.op == "get_attr" else (viewed_parameter(t.src) or (None,))[0]
-        if src is None:
-            continue
-        mod, attr = _owner(str(src.target))
-        owners.setdefault(mod, set()).add(attr)
-        where.setdefault(mod, source_of(t.consumers[0][0]) or t.consumers[0][0].name)
+        for param in _parameters_only(t.src):  # the weight, a view of it, Gemma's 1 + weight
+            mod, attr = _owner(str(param.target))
+            if attr not in dict(model.get_submodule(mod).named_parameters(recurse=False)):
+                continue  # a buffer: no gradient
+            owners.setdefault(mod, set()).add(attr)
+            where.setdefault(mod, source_of(t.consumers[0][0]) or t.consumers[0][0].name)
     issues = []
     for mod, attrs in owners.items():
         own = {n for n, p in model.get_submodule(mod).named_parameters(recurse=False) if p.requires_grad}
@@ -451,6 +478,50 @@ def _grad_sums(ann, mods, model, target: str) -> list[ExportIssue]:
         issues.append(ExportIssue(mod, "R", f"replicated {', '.join(sorted(attrs))} read on this rank's "
                                   f"part at {where[mod]}: its gradient is partial and must be summed; {why}"))
     return issues
+
+
+def _parameters_only(node) -> list:
+    """The ``get_attr`` nodes ``node`` is computed from, when it reads nothing else (no graph
+    input): its gradient reaches them only."""
+    seen, stack, params = set(), [node], []
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            return []
+        if n.op == "get_attr":
+            params.append(n)
+        stack.extend(n.all_input_nodes)
+    return params
+
+
+# styles whose module hands the model's code its output as a view of a DTensor (``to_local``)
+_DTENSOR_VIEW_OUT = {"column", "column_gather", "row", "embedding"}
+
+
+def _written_in_place(gm, mods) -> list[ExportIssue]:
+    """The model's code writing a styled module's output in place (Falcon's ``mlp_output +=
+    attention_output``): in training the runtimes hand it a view of a DTensor's local tensor,
+    which autograd refuses to modify in place."""
+    from ..planner.capture import module_of, source_of
+
+    styled = {m.path for m in mods.values() if m.style in _DTENSOR_VIEW_OUT}
+    for node in gm.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None or not schema.arguments or not node.args:
+            continue
+        alias = schema.arguments[0].alias_info
+        src = node.args[0]
+        if alias is None or not alias.is_write or not isinstance(src, type(node)):
+            continue
+        owner = module_of(src)
+        if owner in styled and module_of(node) != owner:
+            return [ExportIssue(owner, "-", f"the model's code writes this module's output in place at "
+                                f"{source_of(node) or node.name}: in training the runtime hands it a view "
+                                "of a DTensor's local tensor, which autograd refuses to modify in place")]
+    return []
 
 
 def _resized(gm, ann, tp: int) -> dict[str, str]:
