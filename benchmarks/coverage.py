@@ -464,9 +464,10 @@ def document(results, selection: str, load: tuple, wall_s: float) -> str:
         "equal (worst difference, first divergent node). `not built`: the tiny model could not "
         "be built or run unsharded.",
         "- export tp2: the tp 2 plan exported by `to_hf_tp_plan` and `to_dtensor_plan` and run in "
-        "its runtime on 2 real gloo ranks (`benchmarks/export_check.py`): HF by "
-        "`from_pretrained(folder, tp_plan=...)` on a `save_pretrained` folder (logits), DTensor by "
-        "`parallelize_module` on the unpatched model (logits, loss and every gradient). `runs equal`: "
+        "its runtime on 2 real gloo ranks (`benchmarks/export_check.py`): HF by `from_pretrained` "
+        "with the plan (`DistributedConfig(tp_plan=..., tp_size=2)`) on a `save_pretrained` folder, "
+        "DTensor by `parallelize_module` on the unpatched model; logits (HF: also under `no_grad`), "
+        "loss and every gradient compared. `runs equal`: "
         "every rank equal to the unsharded model, with exactly the plan's parameters split; "
         "`refused`: the exporter's `LayoutError` (its first problem); `WRONG` or `crash`: an export bug.",
         "- params per rank / unsharded: `plan.memory` bytes (1/tp is the ideal; replicated "

@@ -27,7 +27,12 @@ module raises ``LayoutError``; one in the model's own code between modules is a 
 ``to_hf_tp_plan(plan)`` gives the same as Hugging Face ``tp_plan`` strings
 ("colwise", "rowwise", "embedding_rowwise", "colwise_gather_output",
 "packed_colwise", "packed_rowwise"), keyed by module paths with ``*`` for the
-index of identical blocks ("model.layers.*.self_attn.q_proj").
+index of identical blocks ("model.layers.*.self_attn.q_proj"), and spells two
+things DTensor's styles cannot: HF's fused experts (``moe_tp_experts`` on the
+module, a style per 3-D parameter) and a replicated parameter whose gradient is
+partial (a per-head q/k norm: ``replicated_with_grad_allreduce``). Keys of the
+model's own ``tp_plan`` that the plan leaves whole are given as ``replicate``
+(transformers merges a given plan into the model's).
 
 An export is a promise that the target runtime runs the model's own, unchanged
 code right: both functions need the model, capture it on meta as the runtime
@@ -52,7 +57,9 @@ exported but communicates differently) without raising:
 - a split parameter that no exported module owns (used functionally by a
   parent module, or not named ``weight`` / ``bias``);
 - with ``model=`` given: a split module that is not an ``nn.Linear`` /
-  ``nn.Embedding``.
+  ``nn.Embedding``; a split tied weight also held by a module with no style;
+  a styled module's output the model's code writes in place (the runtimes hand
+  it a view of a DTensor's local tensor, which autograd refuses to modify).
 
 Notes (exported, not fatal): a padded vocabulary ``S(0|padN)`` becomes an
 uneven DTensor shard (same values, rank-local shapes differ from shardplan's);
