@@ -10,7 +10,9 @@ Each family is built from its own default config shrunk to a tiny size (hidden
 256, 4 experts with top-2) with random weights and a fixed seed, in a fresh
 child process with a time limit, so a hang or a crash cannot stop the survey.
 The child times ``shardplan.plan`` and runs ``shardplan.verify`` at tp 2 and 4
-on simulated ranks; the parent classifies each run and writes the table.
+on simulated ranks, and exports the tp 2 plan as an HF ``tp_plan`` and as DTensor
+styles (``benchmarks.export_check``); the parent runs every export in its runtime
+on one pool of 2 real gloo ranks, classifies each run and writes the table.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 from ._common import ROOT, machine, parser
 
@@ -31,7 +35,7 @@ COMMAND = "python -m benchmarks.coverage"
 TPS = (2, 4)
 VOCAB = 256
 BATCH, SEQ = 2, 8
-TIMEOUT_S = 240
+TIMEOUT_S = 360  # plan and verify at tp 2 and 4, and the tp 2 exports
 
 #: the survey's default: the families the issue names, then a spread of the rest
 REPRESENTATIVE = [
@@ -168,8 +172,9 @@ def example_inputs(task: str) -> dict:
     return inputs
 
 
-def run_family(model_type: str, task: str, class_name: str) -> dict:
-    """Build, then plan and verify at each tp; a JSON-able result."""
+def run_family(model_type: str, task: str, class_name: str, export_dir: str | None = None) -> dict:
+    """Build, then plan and verify at each tp (and export at tp 2 into ``export_dir``);
+    a JSON-able result."""
     t0 = time.perf_counter()
     try:
         model = build(model_type, class_name)
@@ -178,12 +183,18 @@ def run_family(model_type: str, task: str, class_name: str) -> dict:
         reason = str(e) if isinstance(e, NotBuilt) else f"{type(e).__name__}: {_head(e)}"
         return {"family": model_type, "class": class_name, "not_built": reason}
     build_s = time.perf_counter() - t0
-    runs = {tp: run_tp(model, tp, example_inputs(task)) for tp in TPS}
+    def export(plan):
+        from . import export_check
+        return export_check.prepare(model, plan, example_inputs(task), Path(export_dir), class_name)
+
+    runs = {tp: run_tp(model, tp, example_inputs(task), export if export_dir and tp == 2 else None)
+            for tp in TPS}
     return {"family": model_type, "class": class_name, "build_s": build_s,
             "layers": _layer_counts(model), "runs": runs}
 
 
-def run_tp(model, tp: int, inputs: dict) -> dict:
+def run_tp(model, tp: int, inputs: dict, export=None) -> dict:
+    """Plan and verify at ``tp``; ``export(plan)`` adds the export outcomes."""
     import shardplan
     t0 = time.perf_counter()
     try:
@@ -191,6 +202,8 @@ def run_tp(model, tp: int, inputs: dict) -> dict:
     except Exception as e:  # noqa: BLE001
         return _error("plan", e, isinstance(e, shardplan.ShardplanError))
     out = {"plan_s": time.perf_counter() - t0, **plan_facts(model, plan)}
+    if export is not None:
+        out["export"] = export(plan)
     try:
         report = shardplan.verify(model, tp, example_inputs=inputs)
     except Exception as e:  # noqa: BLE001
@@ -322,10 +335,29 @@ def _names(params: list[str]) -> str:
     return ", ".join(folded[:4]) + (f" (+{len(folded) - 4})" if len(folded) > 4 else "")
 
 
+def tp2(result: dict) -> dict:
+    """The tp 2 run (keys are strings once a child's result went through JSON)."""
+    runs = result.get("runs", {})
+    return runs.get(2) or runs.get("2") or {}
+
+
+def export_cells(result: dict) -> str:
+    """The tp 2 export outcomes: ``HF / DTensor``."""
+    run = tp2(result)
+    if "export" not in run:
+        return ""
+    return " / ".join(f"{'HF' if t == 'hf' else 'DTensor'}: {run['export'][t]}" for t in ("hf", "dtensor"))
+
+
+def export_kind(outcome: str) -> str:
+    """``runs equal`` / ``refused`` / ``WRONG`` / ``crash`` / ``exported`` (not yet run)."""
+    return outcome.split(":", 1)[0]
+
+
 def row(family: str, task: str, result: dict) -> list[str]:
     """One table row per family."""
     if "not_built" in result:
-        return [family, "not built", result["not_built"], "", "", ""]
+        return [family, "not built", result["not_built"], "", "", "", ""]
     cells = {tp: classify(run) for tp, run in result["runs"].items()}
     outcomes = " / ".join(o for o, _ in cells.values())
     details = {d: [] for _, d in cells.values() if d}  # a detail shared by both tps once
@@ -342,7 +374,8 @@ def row(family: str, task: str, result: dict) -> list[str]:
         extra = f" (+{', '.join(run['extra_kinds'])})" if run["extra_kinds"] else ""
         comm.append(f"{run['collectives']}/{want}{extra}")
         times.append(f"{run['plan_s']:.1f}")
-    return [family, outcomes, details, " / ".join(share), " / ".join(comm), " / ".join(times)]
+    return [family, outcomes, details, export_cells(result), " / ".join(share), " / ".join(comm),
+            " / ".join(times)]
 
 
 def outcome_of(result: dict) -> str:
@@ -354,25 +387,44 @@ def outcome_of(result: dict) -> str:
                                     "crash").index(o))
 
 
-def survey(selected: list[str]):
+def survey(selected: list[str], export: bool = True):
     """Each family in its own child process (a timeout or a dead child is a crash); yields
-    the results so far after each family."""
+    the results so far after each family. Then every export runs in its runtime on one
+    pool of real gloo ranks, and the results are yielded once more."""
     known = families()
     out = []
-    for family in selected:
-        task, class_name = known[family]
-        t0 = time.perf_counter()
-        result = run_child(family, task, class_name)
-        result["wall_s"] = time.perf_counter() - t0
-        out.append((family, task, result))
-        print(f"{family:24} {outcome_of(result):18} {result['wall_s']:5.0f} s", file=sys.stderr,
-              flush=True)
-        yield out
+    with tempfile.TemporaryDirectory(prefix="coverage-export-") as tmp:
+        for family in selected:
+            task, class_name = known[family]
+            t0 = time.perf_counter()
+            folder = str(Path(tmp) / family) if export else None
+            result = run_child(family, task, class_name, folder)
+            result["wall_s"] = time.perf_counter() - t0
+            out.append((family, task, result))
+            print(f"{family:24} {outcome_of(result):18} {result['wall_s']:5.0f} s", file=sys.stderr,
+                  flush=True)
+            yield out
+        if export:
+            run_exports(out, tmp)
+            yield out
 
 
-def run_child(family: str, task: str, class_name: str) -> dict:
+def run_exports(results, tmp: str) -> None:
+    """Run every exported tp 2 plan in its runtime (one real gloo launch for all)."""
+    from . import export_check
+    prepared = {family: Path(tmp) / family for family, _, r in results
+                if any(v == "exported" for v in tp2(r).get("export", {}).values())}
+    t0 = time.perf_counter()
+    for (family, target), outcome in export_check.run_all(prepared).items():
+        result = next(r for f, _, r in results if f == family)
+        tp2(result)["export"][target] = outcome
+    print(f"{'exports run':24} {len(prepared)} families {time.perf_counter() - t0:5.0f} s", file=sys.stderr,
+          flush=True)
+
+
+def run_child(family: str, task: str, class_name: str, export_dir: str | None = None) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.coverage", "--child",
-           json.dumps([family, task, class_name])]
+           json.dumps([family, task, class_name, export_dir])]
     try:
         r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -393,13 +445,20 @@ def summary(results) -> str:
     counts = {o: 0 for o in OUTCOMES}
     for _, _, r in results:
         counts[outcome_of(r)] += 1
-    return ", ".join(f"{n} {o}" for o, n in counts.items())
+    text = ", ".join(f"{n} {o}" for o, n in counts.items())
+    for target, name in (("hf", "HF tp_plan export"), ("dtensor", "DTensor export")):
+        kinds = [export_kind(tp2(r)["export"][target]) for _, _, r in results if "export" in tp2(r)]
+        if kinds:
+            shown = ["runs equal", "refused", "WRONG", "crash"] + (["exported"] if "exported" in kinds else [])
+            text += f"; {name}: " + ", ".join(f"{kinds.count(k)} {k}" for k in shown)
+    return text
 
 
 def table(results) -> str:
-    lines = ["| family | outcome tp2 / tp4 | detail | params per rank / unsharded, tp2 / tp4 "
-             "| collectives / Megatron, tp2 / tp4 | plan s, tp2 / tp4 |",
-             "|---|---|---|---:|---|---:|"]
+    lines = ["| family | outcome tp2 / tp4 | detail | export tp2: HF tp_plan / DTensor "
+             "| params per rank / unsharded, tp2 / tp4 | collectives / Megatron, tp2 / tp4 "
+             "| plan s, tp2 / tp4 |",
+             "|---|---|---|---|---:|---|---:|"]
     for family, task, result in results:
         cells = [c.replace("|", "\\|") for c in row(family, task, result)]
         lines.append("| " + " | ".join(cells) + " |")
@@ -436,6 +495,13 @@ def document(results, selection: str, load: tuple, wall_s: float) -> str:
         "`crash`: any other exception, or an error while verifying. `mismatch`: `verify` not "
         "equal (worst difference, first divergent node). `not built`: the tiny model could not "
         "be built or run unsharded.",
+        "- export tp2: the tp 2 plan exported by `to_hf_tp_plan` and `to_dtensor_plan` and run in "
+        "its runtime on 2 real gloo ranks (`benchmarks/export_check.py`): HF by `from_pretrained` "
+        "with the plan (`DistributedConfig(tp_plan=..., tp_size=2)`) on a `save_pretrained` folder, "
+        "DTensor by `parallelize_module` on the unpatched model; logits (HF: also under `no_grad`), "
+        "loss and every gradient compared. `runs equal`: "
+        "every rank equal to the unsharded model, with exactly the plan's parameters split; "
+        "`refused`: the exporter's `LayoutError` (its first problem); `WRONG` or `crash`: an export bug.",
         "- params per rank / unsharded: `plan.memory` bytes (1/tp is the ideal; replicated "
         "norms and small layers lift it).",
         "- collectives / Megatron: the plan's collectives for one forward and backward (the "
@@ -450,6 +516,7 @@ def main(argv=None) -> int:
     ap = parser(__doc__, "a handful of families")
     ap.add_argument("--all", action="store_true", help="every family, not the representative set")
     ap.add_argument("--families", help="comma-separated model types (e.g. gpt2,t5)")
+    ap.add_argument("--no-export", action="store_true", help="skip the export column (no gloo ranks)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -470,7 +537,7 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"unknown families: {', '.join(unknown)}")
     load_before, t0 = os.getloadavg(), time.perf_counter()
-    for results in survey(selected):  # the doc is rewritten after each family
+    for results in survey(selected, not args.no_export):  # the doc is rewritten after each family
         done = "" if len(results) == len(selected) else \
             f" (in progress: {len(results)} of {len(selected)} done)"
         text = document(results, selection + done, (load_before[0], os.getloadavg()[0]),

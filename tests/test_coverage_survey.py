@@ -91,3 +91,16 @@ def test_gemm_narrower_than_tp_is_by_design_by_the_plans_reason():
     assert coverage.replicated_gemms(model, plan) == []  # 2 wide at tp 4: narrower too
     plan.decisions[0] = decision("gate", "no rule for aten.topk.default on a sharded input")
     assert coverage.replicated_gemms(model, plan) == ["layers.0.gate.weight"]
+
+
+def test_export_column_and_summary():
+    result = {"runs": {"2": _run(export={"hf": "runs equal", "dtensor": "refused: m [R]: no style"}),
+                       "4": _run()}, "layers": {"layers": 2, "cross": 0}}
+    assert coverage.export_cells(result) == "HF: runs equal / DTensor: refused: m [R]: no style"
+    cells = coverage.row("llama", "causal", {**result, "runs": {2: result["runs"]["2"], 4: _run()}})
+    assert cells[3] == coverage.export_cells(result) and len(cells) == 7
+    text = coverage.summary([("llama", "causal", {**result, "runs": {
+        2: {**result["runs"]["2"], "bytes_per_rank": 1, "bytes_unsharded": 2, "collectives": 13,
+            "extra_kinds": [], "plan_s": 1.0}, 4: _run()}})])
+    assert "HF tp_plan export: 1 runs equal, 0 refused, 0 WRONG, 0 crash" in text
+    assert "DTensor export: 0 runs equal, 1 refused" in text

@@ -27,7 +27,12 @@ module raises ``LayoutError``; one in the model's own code between modules is a 
 ``to_hf_tp_plan(plan)`` gives the same as Hugging Face ``tp_plan`` strings
 ("colwise", "rowwise", "embedding_rowwise", "colwise_gather_output",
 "packed_colwise", "packed_rowwise"), keyed by module paths with ``*`` for the
-index of identical blocks ("model.layers.*.self_attn.q_proj").
+index of identical blocks ("model.layers.*.self_attn.q_proj"), and spells two
+things DTensor's styles cannot: HF's fused experts (``moe_tp_experts`` on the
+module, a style per 3-D parameter) and a replicated parameter whose gradient is
+partial (a per-head q/k norm: ``replicated_with_grad_allreduce``). Keys of the
+model's own ``tp_plan`` that the plan leaves whole are given as ``replicate``
+(transformers merges a given plan into the model's).
 
 An export is a promise that the target runtime runs the model's own, unchanged
 code right: both functions need the model, capture it on meta as the runtime
@@ -52,7 +57,9 @@ exported but communicates differently) without raising:
 - a split parameter that no exported module owns (used functionally by a
   parent module, or not named ``weight`` / ``bias``);
 - with ``model=`` given: a split module that is not an ``nn.Linear`` /
-  ``nn.Embedding``.
+  ``nn.Embedding``; a split tied weight also held by a module with no style;
+  a styled module's output the model's code writes in place (the runtimes hand
+  it a view of a DTensor's local tensor, which autograd refuses to modify).
 
 Notes (exported, not fatal): a padded vocabulary ``S(0|padN)`` becomes an
 uneven DTensor shard (same values, rank-local shapes differ from shardplan's);
@@ -66,7 +73,7 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -75,7 +82,7 @@ from ..layouts import Placement, Replicate, Shard
 from ..planner import blocks
 
 __all__ = ["to_dtensor_plan", "to_hf_tp_plan", "export_issues", "ExportIssue",
-           "parallelize_with_dtensor"]
+           "parallelize_with_dtensor", "tie_again"]
 
 
 @dataclass(frozen=True)
@@ -96,6 +103,8 @@ class _Module:
     params: dict  # attribute name -> ParamEntry (own or tied alias)
     gathered: bool = False
     style: str | None = None  # column | column_gather | row | embedding | packed_column | packed_row
+    #                           | experts | grad_allreduce
+    param_styles: dict = field(default_factory=dict)  # experts: parameter name -> HF style
 
 
 def _owner(name: str) -> tuple[str, str]:
@@ -144,6 +153,9 @@ def _analyse(plan, target: str, model=None) -> tuple[OrderedDict, list[ExportIss
         weight = m.params.get("weight")
         wlay = Placement.parse(weight.layout) if weight else None
         lay_text = weight.layout if weight else "-"
+        if _experts(m):
+            _experts_style(m, target, issues)
+            continue
         if len(m.roles) > 1:
             issues.append(ExportIssue(m.path, lay_text, f"planned with several roles ({', '.join(sorted(m.roles))}): "
                                       "a module style gives one"))
@@ -211,6 +223,7 @@ def _analyse(plan, target: str, model=None) -> tuple[OrderedDict, list[ExportIss
                                           f"beside a {role} weight: the style would place it differently"))
         if model is not None and m.style:
             _check_module_type(model, m, issues)
+    _tied_owners(plan, mods, params_of, model, issues)
 
     order = {}
     for p in plan.params:
@@ -227,6 +240,68 @@ def _analyse(plan, target: str, model=None) -> tuple[OrderedDict, list[ExportIss
             issues.append(ExportIssue(owners[0], p.layout, f"parameter {p.name} is split but no exported "
                                       "module owns it"))
     return mods, issues
+
+
+def _tied_owners(plan, mods, params_of, model, issues: list) -> None:
+    """Every module holding a split tied weight gets the style of the one that reads it (BART's
+    ``shared`` embedding, never called, beside its encoder's and decoder's ``embed_tokens``):
+    both runtimes tie the weights again after placing them, and a tie to a module left whole
+    mixes a plain tensor with a DTensor. An owner of another type (BERT's decoder bias, also
+    held by its prediction head) has no style to give: refused."""
+    for p in plan.params:
+        names = [p.name, *p.aliases]
+        if not p.aliases or p.layout == "R":
+            continue
+        owners = list(dict.fromkeys(_owner(n)[0] for n in names))
+        styled = [o for o in owners if o in mods and mods[o].style]
+        if not styled:
+            continue
+        lead = mods[styled[0]]
+        for o in owners:
+            if o in styled:
+                continue
+            if model is not None and type(model.get_submodule(o)) is type(model.get_submodule(lead.path)):
+                mods[o] = _Module(o, set(lead.roles), params_of.get(o, {}), style=lead.style)
+                continue
+            issues.append(ExportIssue(o, p.layout, f"tied to {lead.path}'s split {_owner(p.name)[1]} "
+                                      f"({', '.join(names)}), but no style places it here: the "
+                                      "runtime ties them again after placing them, mixing a plain "
+                                      "tensor with a DTensor"))
+
+
+def _experts(m: _Module) -> bool:
+    """HF's fused experts: column and row GEMMs on 3-D (expert, out, in) parameters."""
+    split = [p for p in m.params.values() if p.layout != "R"]
+    return bool(split) and m.roles <= {"column", "row"} and all(len(p.global_shape) == 3 for p in split)
+
+
+# a 3-D expert weight's split -> HF's parameter style: (expert, out, in) split on out (gate | up
+# as two equal blocks: packed) or on in
+_EXPERT_STYLE = {(1, False): "colwise", (1, True): "packed_colwise", (2, False): "rowwise"}
+
+
+def _experts_style(m: _Module, target: str, issues: list) -> None:
+    """HF spells an experts module as ``moe_tp_experts`` (its input and routing weights'
+    gradients summed, its partial output all-reduced) with a style per 3-D parameter."""
+    if target == "dtensor":
+        issues.append(ExportIssue(m.path, ", ".join(p.layout for p in m.params.values()),
+                                  "experts' 3-D weights: DTensor's styles shard nn.Linear / nn.Embedding "
+                                  "only (Hugging Face's tp_plan spells it: moe_tp_experts)"))
+        return
+    styles = {}
+    for attr, p in m.params.items():
+        lay = Placement.parse(p.layout)
+        blocks_ = getattr(lay, "blocks", None) or ()
+        packed = len(blocks_) == 2 and blocks_[0] == blocks_[1]
+        style = _EXPERT_STYLE.get((lay.dim % 3, packed)) if isinstance(lay, Shard) and lay.replicas == 1 \
+            and len(p.global_shape) == 3 and not lay.padded and (packed or not blocks_) else None
+        if style is None:
+            issues.append(ExportIssue(m.path, p.layout, f"expert parameter {attr!r} [{p.layout}]: no Hugging "
+                                      "Face style places it (a replicated one would be added on every "
+                                      "rank before the all-reduce)"))
+            return
+        styles[attr] = style
+    m.style, m.param_styles = "experts", styles
 
 
 def _check_module_type(model, m: _Module, issues: list) -> None:
@@ -276,12 +351,15 @@ def _sp_leaves(plan, model) -> list[str]:
 
 
 # styles whose module hands the model's code a local slice of its output / takes one as input
+# (experts run on their local weights, and their partial output is all-reduced)
 _LOCAL_OUT = {"column", "packed_column"}
-_LOCAL_IN = {"row", "packed_row"}
+_LOCAL_IN = {"row", "packed_row", "experts"}
 
 
-def _runtime_issues(plan, mods, model, example_inputs) -> list[ExportIssue]:
-    """Where the model's own code goes wrong when the exported modules hand it local tensors.
+def _runtime_issues(plan, mods, model, example_inputs, target: str) -> list[ExportIssue]:
+    """Where the model's own code goes wrong when the exported modules hand it local tensors
+    (first settling which column layers export gathered, ``_gather_heads``, and which
+    replicated parameters need their gradient summed, ``_grad_sums``).
 
     Both targets (HF's styles, DTensor's with ``use_local_output``) give the code
     between a column and a row layer this rank's slice, and change nothing else:
@@ -297,6 +375,7 @@ def _runtime_issues(plan, mods, model, example_inputs) -> list[ExportIssue]:
     from ..planner.capture import capture, module_of, source_of
     from ..planner.graph import hint, shape
     from ..planner.inputs import example_args
+    from ..planner.kinds.permute import viewed_parameter
     from ..planner.rules import load_rules
     from ..planner.shards import local_shape
 
@@ -307,6 +386,10 @@ def _runtime_issues(plan, mods, model, example_inputs) -> list[ExportIssue]:
     whole = capture(meta, args, kwargs, truncate=True)
     # the baseline, as it is: a plan with a distributed reduction is refused before this
     ann = annotate(whole.gm, tp, load_rules(plan.rules), distribute=False)
+    _gather_heads(ann, mods)
+    problems = _grad_sums(ann, mods, meta, target) or _written_in_place(whole.gm, mods)
+    if problems:
+        return problems
     for m in mods.values():
         if m.style not in _LOCAL_OUT | _LOCAL_IN:
             continue
@@ -336,7 +419,7 @@ def _runtime_issues(plan, mods, model, example_inputs) -> list[ExportIssue]:
             return [ExportIssue(module_of(a), "-", f"with local tensors the model's code takes another "
                                 f"path at {where} ({b.target} instead of {a.target})")]
         full = shape(a)
-        if full is None or shape(b) is None:
+        if full is None or shape(b) is None or viewed_parameter(a):  # a weight's view: cut by the style
             continue
         full = tuple(hint(d) for d in full)
         lay = ann.layouts.get(a)
@@ -346,6 +429,105 @@ def _runtime_issues(plan, mods, model, example_inputs) -> list[ExportIssue]:
             return [ExportIssue(module_of(a), str(lay), f"the model's own code makes {list(got)} where "
                                 f"this rank's part is {list(want)}, at {where}: a size the code "
                                 "computes from a constant (a head count?) that the plan divides by tp")]
+    return []
+
+
+def _gather_heads(ann, mods) -> None:
+    """A column layer whose split output reaches a graph output or the vocab-parallel loss
+    unchanged (an LM head) exports gathered: the model's own code (HF's loss function, its
+    ``.float()``) then reads whole logits, as it does unsharded."""
+    from ..planner.capture import module_of
+    from ..planner.transitions import Purpose
+
+    for t in ann.transitions:
+        if t.purpose not in (Purpose.GATHER_OUTPUT, Purpose.VOCAB_LOSS):
+            continue
+        node = t.src
+        while isinstance(node, type(t.src)) and isinstance(ann.layouts.get(node), Shard):
+            m = mods.get(module_of(node))
+            if m is not None and m.style == "column":
+                m.style = "column_gather"
+                break
+            node = next((a for a in node.args if isinstance(a, type(t.src))), None)
+
+
+def _grad_sums(ann, mods, model, target: str) -> list[ExportIssue]:
+    """A replicated parameter read on this rank's part (a per-head q/k norm's weight) has a
+    partial gradient: the plan's f all-reduces it. Hugging Face spells that on the owning
+    module (``replicated_with_grad_allreduce``: every parameter of the module summed);
+    DTensor's styles do not."""
+    from ..planner.capture import source_of
+    from ..planner.transitions import Purpose
+
+    owners: dict[str, set] = {}
+    where: dict[str, str] = {}
+    for t in ann.transitions:
+        if t.purpose is not Purpose.F:
+            continue
+        for param in _parameters_only(t.src):  # the weight, a view of it, Gemma's 1 + weight
+            mod, attr = _owner(str(param.target))
+            if attr not in dict(model.get_submodule(mod).named_parameters(recurse=False)):
+                continue  # a buffer: no gradient
+            owners.setdefault(mod, set()).add(attr)
+            where.setdefault(mod, source_of(t.consumers[0][0]) or t.consumers[0][0].name)
+    issues = []
+    for mod, attrs in owners.items():
+        own = {n for n, p in model.get_submodule(mod).named_parameters(recurse=False) if p.requires_grad}
+        if target == "dtensor":
+            why = "no DTensor style sums a replicated parameter's gradient (Hugging Face's " \
+                  "replicated_with_grad_allreduce does)"
+        elif mod in mods or own != attrs:
+            why = ("its module has a style of its own" if mod in mods else
+                   f"the style would also sum {', '.join(sorted(own - attrs))}, which is not read so")
+        else:
+            mods[mod] = _Module(mod, set(), {}, style="grad_allreduce")
+            continue
+        issues.append(ExportIssue(mod, "R", f"replicated {', '.join(sorted(attrs))} read on this rank's "
+                                  f"part at {where[mod]}: its gradient is partial and must be summed; {why}"))
+    return issues
+
+
+def _parameters_only(node) -> list:
+    """The ``get_attr`` nodes ``node`` is computed from, when it reads nothing else (no graph
+    input): its gradient reaches them only."""
+    seen, stack, params = set(), [node], []
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            return []
+        if n.op == "get_attr":
+            params.append(n)
+        stack.extend(n.all_input_nodes)
+    return params
+
+
+# styles whose module hands the model's code its output as a view of a DTensor (``to_local``)
+_DTENSOR_VIEW_OUT = {"column", "column_gather", "row", "embedding"}
+
+
+def _written_in_place(gm, mods) -> list[ExportIssue]:
+    """The model's code writing a styled module's output in place (Falcon's ``mlp_output +=
+    attention_output``): in training the runtimes hand it a view of a DTensor's local tensor,
+    which autograd refuses to modify in place."""
+    from ..planner.capture import module_of, source_of
+
+    styled = {m.path for m in mods.values() if m.style in _DTENSOR_VIEW_OUT}
+    for node in gm.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None or not schema.arguments or not node.args:
+            continue
+        alias = schema.arguments[0].alias_info
+        src = node.args[0]
+        if alias is None or not alias.is_write or not isinstance(src, type(node)):
+            continue
+        owner = module_of(src)
+        if owner in styled and module_of(node) != owner:
+            return [ExportIssue(owner, "-", f"the model's code writes this module's output in place at "
+                                f"{source_of(node) or node.name}: in training the runtime hands it a view "
+                                "of a DTensor's local tensor, which autograd refuses to modify in place")]
     return []
 
 
@@ -391,7 +573,7 @@ def export_issues(plan, target: str = "dtensor", model=None, *, example_inputs=N
         raise ValueError(f"target must be 'dtensor' or 'hf', not {target!r}")
     mods, issues = _analyse(plan, target, model)
     if model is not None and not any(i.fatal for i in issues):
-        issues += _runtime_issues(plan, mods, model, example_inputs)
+        issues += _runtime_issues(plan, mods, model, example_inputs, target)
     return issues
 
 
@@ -439,7 +621,7 @@ def to_dtensor_plan(plan, *, model, local_output: bool = True, example_inputs=No
     _need(model)
     mods, issues = _analyse(plan, "dtensor", model)
     if local_output and not any(i.fatal for i in issues):
-        issues += _runtime_issues(plan, mods, model, example_inputs)
+        issues += _runtime_issues(plan, mods, model, example_inputs, "dtensor")
     _raise(issues, "dtensor")
     if getattr(plan, "sequence_parallel", False):
         return _sp_styles(plan, mods, model, local_output, DReplicate, DShard, ColwiseParallel,
@@ -498,7 +680,8 @@ def _sp_styles(plan, mods, model, local_output, DReplicate, DShard, ColwiseParal
 
 _HF_STYLE = {"column": "colwise", "column_gather": "colwise_gather_output", "row": "rowwise",
              "embedding": "embedding_rowwise", "packed_column": "packed_colwise",
-             "packed_row": "packed_rowwise"}
+             "packed_row": "packed_rowwise", "experts": "moe_tp_experts",
+             "grad_allreduce": "replicated_with_grad_allreduce"}
 
 
 def to_hf_tp_plan(plan, *, model, prefix: str | None = None, example_inputs=None) -> dict[str, str]:
@@ -510,6 +693,10 @@ def to_hf_tp_plan(plan, *, model, prefix: str | None = None, example_inputs=None
     A pattern is used only where every block of the list gets the same string;
     otherwise each block is listed by its index.
 
+    transformers merges a given plan into the model's own ``tp_plan``: every key of
+    the model's plan that this one does not style is given as ``"replicate"``, so the
+    plan loaded is exactly this one.
+
     HF's styles hand the model's own code local tensors and adapt nothing else
     (no head count is divided, a ``-1`` in a view is what adapts): ``model`` is
     captured on meta as HF would run it, and the export is refused
@@ -519,13 +706,18 @@ def to_hf_tp_plan(plan, *, model, prefix: str | None = None, example_inputs=None
     _need(model)
     mods, issues = _analyse(plan, "hf", model)
     if not any(i.fatal for i in issues):
-        issues += _runtime_issues(plan, mods, model, example_inputs)
+        issues += _runtime_issues(plan, mods, model, example_inputs, "hf")
     _raise(issues, "hf")
-    styles = {m.path: _HF_STYLE[m.style] for m in mods.values() if m.style}
-    # every module path the plan knows, to check a pattern covers all blocks alike
+    styles = {}
+    for m in mods.values():
+        if m.style:
+            styles[m.path] = _HF_STYLE[m.style]
+        styles.update((f"{m.path}.{attr}", style) for attr, style in m.param_styles.items())
+    # every module and parameter path the plan knows, to check a pattern covers all blocks alike
     known: set[str] = set()
     for p in plan.params:
         for n in [p.name, *p.aliases]:
+            known.add(n)
             mod = _owner(n)[0]
             while mod:
                 known.add(mod)
@@ -542,6 +734,8 @@ def to_hf_tp_plan(plan, *, model, prefix: str | None = None, example_inputs=None
             out[pattern] = styles[paths[0]]
         else:
             out.update((p, styles[p]) for p in paths)
+    # transformers merges a given tp_plan into the model's own: what ours leaves whole stays so
+    out.update((k, "replicate") for k in (getattr(model, "tp_plan", None) or {}) if k not in out)
     if prefix:
         head = prefix.rstrip(".") + "."
         out = {k[len(head):]: v for k, v in out.items() if k.startswith(head)}
@@ -549,12 +743,18 @@ def to_hf_tp_plan(plan, *, model, prefix: str | None = None, example_inputs=None
 
 
 def parallelize_with_dtensor(model, mesh, plan, *, local_output: bool = True):
-    """``parallelize_module(model, mesh, to_dtensor_plan(plan))``, then tie again the
-    weights the plan lists as aliases (parallelize_module makes a new parameter per module)."""
+    """``parallelize_module(model, mesh, to_dtensor_plan(plan))``, then ``tie_again``."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     styles = to_dtensor_plan(plan, local_output=local_output, model=model)
     parallelize_module(model, mesh, styles)
+    tie_again(model, plan)
+    return model
+
+
+def tie_again(model, plan) -> None:
+    """Tie again the weights the plan lists as aliases (``parallelize_module`` makes a new
+    parameter per module)."""
     for p in plan.params:
         if not p.aliases:
             continue
@@ -571,4 +771,3 @@ def parallelize_with_dtensor(model, mesh, plan, *, local_output: bool = True):
                                   f"{getattr(current, 'placements', None)})", where=alias,
                                   fix="give both modules styles that shard the weight the same way")
             setattr(owner, attr, canonical)
-    return model
