@@ -21,15 +21,16 @@ def call(g: fx.Graph, name: str, target, *args) -> fx.Node:
 
 def backward_of_a_column_linear():
     """Autograd's order: input gradient, weight gradient, bias gradient, then the
-    copy-to-region mapping's all-reduce of the input gradient, its wait, the norm's
-    backward reading it, and a side effect that nothing may cross."""
+    copy-to-region mapping's all-reduce of the input gradient (functional, as in
+    inductor's post-grad graph), its wait, the norm's backward reading it, and a side
+    effect that nothing may cross."""
     g = fx.Graph()
     grad, weight, x = g.placeholder("grad"), g.placeholder("weight"), g.placeholder("x")
     gi = call(g, "gi", aten.mm.default, grad, weight)
     gt = call(g, "gt", aten.permute.default, grad, [1, 0])
     gw = call(g, "gw", aten.mm.default, gt, x)
     gb = call(g, "gb", aten.sum.dim_IntList, grad, [0])
-    ar = call(g, "ar", c10d.all_reduce_.default, gi, "sum", "0")
+    ar = call(g, "ar", c10d.all_reduce.default, gi, "sum", "0")
     wait = call(g, "wait", c10d.wait_tensor.default, ar)
     later = call(g, "later", aten.mul.Tensor, x, 2.0)
     norm = call(g, "norm", aten.add.Tensor, wait, later)
@@ -57,11 +58,11 @@ def test_the_reordered_graph_computes_the_same_values():
     g = backward_of_a_column_linear()
     OverlapCollectives()(g)
     for n in g.nodes:
-        if n.target in (c10d.all_reduce_.default, c10d.wait_tensor.default):
+        if n.target in (c10d.all_reduce.default, c10d.wait_tensor.default):
             n.target, n.args = aten.alias.default, n.args[:1]
     ref = backward_of_a_column_linear()
     for n in ref.nodes:
-        if n.target in (c10d.all_reduce_.default, c10d.wait_tensor.default):
+        if n.target in (c10d.all_reduce.default, c10d.wait_tensor.default):
             n.target, n.args = aten.alias.default, n.args[:1]
     gen = torch.Generator().manual_seed(0)
     inputs = [torch.randn(4, 3, generator=gen), torch.randn(3, 5, generator=gen),
@@ -88,3 +89,18 @@ def test_nothing_crosses_a_side_effect_or_another_collective():
     OverlapCollectives()(g)
     g.lint()
     assert order(g) == ["early", "copy", "ar1", "w1", "ar2", "mid", "w2"]
+
+
+def test_an_in_place_collective_keeps_its_inputs_readers_before_it():
+    """``all_reduce_`` overwrites its input: a node reading the unreduced input must
+    not move behind it (it would read the sum); one that does not read it moves."""
+    g = fx.Graph()
+    a, b = g.placeholder("a"), g.placeholder("b")
+    reads = call(g, "reads", aten.mul.Tensor, a, 2.0)
+    other = call(g, "other", aten.mul.Tensor, b, 2.0)
+    ar = call(g, "ar", c10d.all_reduce_.default, a, "sum", "0")
+    w = call(g, "w", c10d.wait_tensor.default, ar)
+    g.output((reads, other, w))
+    OverlapCollectives()(g)
+    g.lint()
+    assert order(g) == ["reads", "ar", "other", "w"]

@@ -46,7 +46,9 @@ def sink_waits(graph: fx.Graph) -> None:
 
 def raise_collectives(graph: fx.Graph) -> None:
     """Each collective right after its own inputs: the nodes since the last barrier
-    that it does not depend on move behind it, in their order."""
+    that it does not depend on move behind it, in their order. (Inductor's post-grad
+    graph has the functional collectives here; it makes them in-place afterwards, where
+    no later reader of the input is left. An in-place one keeps its inputs' readers.)"""
     for coll in [n for n in graph.nodes if _is_collective(n)]:
         window = []  # newest first
         node = coll.prev
@@ -55,6 +57,8 @@ def raise_collectives(graph: fx.Graph) -> None:
             node = node.prev
         inside, needed = set(window), set()
         stack = list(coll.all_input_nodes)
+        if coll.target._schema.is_mutable:  # an in-place collective: its inputs' readers stay before
+            stack += [u for n in coll.all_input_nodes for u in n.users if u in inside]
         while stack:
             n = stack.pop()
             if n in inside and n not in needed:
