@@ -331,8 +331,9 @@ def test_inductor():
     is compared with the unsharded model under aot_eager above, on all four models), and
     the gradients stay eager's with the collectives overlapped (runtime/overlap.py). Its
     own pool: inductor's C++ compile on a loaded 2-core machine can outlast the shared
-    pool's task timeout."""
-    with RealRanks(2, timeout=270) as pool:
+    pool's task timeout (and it compiles from a fresh cache, to read the code: 270 s
+    was too short at load 20)."""
+    with RealRanks(2, timeout=540) as pool:
         ranks = pool.run(dropout_step, "gpt", "inductor", False)
     assert_same_draws(ranks)
     # backward: a weight gradient's GEMM runs while its input gradient is all-reduced
