@@ -11,7 +11,8 @@ each) hold every contender of the same bundled GPT (``benchmarks.step_time``'s
 model, batch and AdamW):
 
 - ``shardplan, compiled``: ``shardplan.parallelize(model, gather_output=False,
-  compile=True)``: the rewritten graph as one inductor graph (functional collectives);
+  compile=True)``: the rewritten graph as one inductor graph (functional collectives,
+  each started before the compute that does not need it: ``shardplan.runtime.overlap``);
 - ``shardplan``: the same without ``compile``;
 - ``DTensor, compiled``: the best hand-written plan (``benchmarks.dtensor_plan.hand_written``)
   with each transformer block under ``torch.compile`` (torchtitan's recipe; the
@@ -160,8 +161,9 @@ def explain(prof: dict) -> str:
             "too. What compile can change is the rest: inductor's fused kernels, its wrapper "
             f"and the ledger op took {rest_c:,.0f} ms against eager's {e['other']:,.0f} ms of "
             f"elementwise ops and Python glue; collectives {c[coll]:,.0f} ms compiled (gloo "
-            f"work and `wait_tensor`) against {e[coll]:,.0f} ms eager (blocking inside the "
-            "mappings). " + (
+            f"work and `wait_tensor`; each backward all-reduce is started before the weight-"
+            f"gradient GEMMs, `shardplan/runtime/overlap.py`) against {e[coll]:,.0f} ms eager "
+            "(blocking inside the mappings). " + (
                 f"Even removing eager's whole non-GEMM, non-collective time "
                 f"({e['other']:,.0f} ms of {total['e']:,.0f} ms) would not reach the 10% goal "
                 "while one rank's step is GEMM-bound on one CPU thread. "

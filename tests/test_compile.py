@@ -15,6 +15,7 @@ one proves inductor. Compile with FSDP2 is in test_fsdp.py (4 ranks).
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -257,17 +258,47 @@ def dropout_step(ctx, name: str, backend: str, recompute) -> dict:
                                         compile=compiled)
         manual_seed(1234, ctx.rank)
         try:
-            loss = loss_of(sharded(*args))
-            loss.backward()
+            loss, code = _step_and_code(sharded, args, loss_of, compiled == "inductor")
         finally:
             set_rng_tracker(None)
         out[bool(compiled)] = loss.detach(), {n: p.grad.clone() for n, p in
                                               sharded.named_parameters()}
+        if compiled:
+            out["overlapped"] = any(map(overlaps_a_gemm, code))
     draws = [m for m in sharded.graph_module.modules() if isinstance(m, ModelParallelRNG)]
     out["traced draws"] = len(draws) > 0 and all(m.traceable for m in draws)
     out["breaks"] = sum(counters["graph_break"].values())
     out["layouts"] = sharded.layouts
     return out
+
+
+def _step_and_code(sharded, args, loss_of, inductor: bool):
+    """(loss after forward and backward, the wrapper code inductor generated: compiled
+    from a fresh cache, so that it is generated here)."""
+    from torch._inductor.utils import fresh_cache, run_and_get_code
+
+    def step():
+        loss = loss_of(sharded(*args))
+        loss.backward()
+        return loss
+    if not inductor:
+        return step(), []
+    with fresh_cache():
+        return run_and_get_code(step)
+
+
+def overlaps_a_gemm(code: str) -> bool:
+    """Whether inductor's wrapper ``code`` runs a library GEMM between starting an
+    all-reduce and waiting for it (runtime/overlap.py's reordering)."""
+    pending = set()
+    for line in code.splitlines():
+        call = re.match(r"\s*torch\.ops\._c10d_functional\.(all_reduce_|wait_tensor)"
+                        r"\.default\((.*?)[,)]", line)
+        if call:
+            (pending.add if call[1] == "all_reduce_" else pending.discard)(call[2])
+        elif pending and re.match(r"\s*extern_kernels\.(addmm|mm)\(", line):
+            return True
+    return False
 
 
 def assert_same_draws(ranks):
@@ -297,11 +328,16 @@ def test_region_dropout_compiled_draws_the_eager_masks(real_ranks):
 @pytest.mark.timeout(600)
 def test_inductor():
     """Inductor: train-mode dropout (both streams) draws eager's masks (eval mode compiled
-    is compared with the unsharded model under aot_eager above, on all four models). Its
+    is compared with the unsharded model under aot_eager above, on all four models), and
+    the gradients stay eager's with the collectives overlapped (runtime/overlap.py). Its
     own pool: inductor's C++ compile on a loaded 2-core machine can outlast the shared
-    pool's task timeout."""
-    with RealRanks(2, timeout=270) as pool:
-        assert_same_draws(pool.run(dropout_step, "gpt", "inductor", False))
+    pool's task timeout (and it compiles from a fresh cache, to read the code: 270 s
+    was too short at load 20)."""
+    with RealRanks(2, timeout=540) as pool:
+        ranks = pool.run(dropout_step, "gpt", "inductor", False)
+    assert_same_draws(ranks)
+    # backward: a weight gradient's GEMM runs while its input gradient is all-reduced
+    assert all(r["overlapped"] for r in ranks)
 
 
 def refuse_simulated(ctx):
