@@ -442,7 +442,7 @@ def main(argv=None) -> int:
         "stops if it falls back to recomputing the prefix) runs the prompt once, then one "
         "token per step, each rank holding its K/V heads of the cache, and rank 0 broadcasting "
         "each token; `HF tp_plan` is `from_pretrained(tp_plan=\"auto\")` (DTensor; "
-        "transformers needs `accelerate` for it: `pip install -e '.[bench]'`) and HF's "
+        "transformers needs `accelerate` for it: the `hf` extra installs it) and HF's "
         "`generate` with its KV cache; `unsharded, shardplan cached loop` (the fair peer: the "
         "algorithm shardplan runs, unsharded) is `shardplan.generate.generate` on the plain "
         "model with its `decode_step` of the same cache length; `unsharded, HF generate` is "

@@ -7,16 +7,6 @@ import pytest
 from shardplan.ranks import RealRanks, SimulatedRanks
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(items):
-    """Under pytest-xdist's ``--dist loadgroup``, every test that starts gloo processes
-    runs on one worker, one after another (a 2-core machine holds one such launch at a
-    time well), while the other workers take the in-process tests."""
-    for item in items:
-        if item.get_closest_marker("real"):
-            item.add_marker(pytest.mark.xdist_group("real"))
-
-
 @pytest.fixture(scope="session")
 def real_ranks():
     """``real_ranks(n)``: a cached ``RealRanks(n)`` pool; spawn cost is paid once.

@@ -320,6 +320,8 @@ def run_case(cfg: ModelCfg, tp: int) -> str:
     return "ok"
 
 
+# the sample and its mix run in one process (pytest-xdist: one worker for the group)
+@pytest.mark.xdist_group("fuzz-sample")
 @pytest.mark.timeout(max(1800, 5 * EXAMPLES))  # ~1 s an example; the suite default is 300 s
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=not RANDOM, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -335,6 +337,7 @@ def test_sharded_model_verifies_or_is_refused(case):
 MIX: list[tuple[int, str]] = []  # (tp, outcome) of every example the test above ran
 
 
+@pytest.mark.xdist_group("fuzz-sample")
 def test_fuzz_mix():
     """The fixed CI sample exercises what it is meant to: tp=1 models, models refused
     with a ShardplanError, and at tp > 1 a majority sharded by Megatron's rules with
@@ -480,6 +483,7 @@ DROPOUT_STREAMS: list[set[str]] = []  # the streams each example above checked
 
 
 @pytest.mark.real
+@pytest.mark.xdist_group("fuzz-dropout")
 @pytest.mark.timeout(max(300, 30 * DROPOUT_EXAMPLES))
 @settings(max_examples=DROPOUT_EXAMPLES, deadline=None, derandomize=not RANDOM, database=None,
           suppress_health_check=list(HealthCheck))
@@ -493,6 +497,7 @@ def test_train_mode_dropout_draws_from_the_right_stream(real_ranks, cfg):
     DROPOUT_STREAMS.append(seen)
 
 
+@pytest.mark.xdist_group("fuzz-dropout")
 def test_dropout_mix():
     """The fixed sample checks both streams (runs after the test above)."""
     if not DROPOUT_STREAMS:

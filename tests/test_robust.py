@@ -26,6 +26,8 @@ from shardplan.planner.rules import load_rules
 from shardplan.ranks import SimulatedRanks
 from shardplan.sharded import ShardedModule
 
+from planner_models import TinyLM
+
 
 # --------------------------------------------------------------------------- torchtitan Llama 3
 
@@ -205,6 +207,17 @@ def test_width_not_dividing_tp_is_a_replicated_decision():
     assert chosen, "the down projection split with no recorded choice"
     for c in chosen:
         assert sum(c.costs["distributed"].values()) <= sum(c.costs["replicated"].values())
+    report = shardplan.verify(model, 4)
+    assert report.ok, str(report)
+
+
+def test_fused_qkv_with_kv_heads_fewer_than_tp_holds_each_by_a_pair_of_ranks():
+    """[q | k | v] = 32 + 8 + 8 at tp 4 with 2 K/V heads: the 8 query heads split 4 ways,
+    each K/V head held by 2 ranks (a count per block), and the sharded model verifies."""
+    model = TinyLM(heads=8, kv_heads=2, layers=1)
+    p = shardplan.plan(model, 4)
+    assert p.param("blocks.0.wqkv.weight").layout == "S(0|32+8+8|x1+2+2)"
+    assert p.param("blocks.0.wo.weight").layout == "S(1)"
     report = shardplan.verify(model, 4)
     assert report.ok, str(report)
 
