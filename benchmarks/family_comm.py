@@ -194,8 +194,11 @@ NOTES = """Reading it (as of the recorded run):
 - At tp 4 the K/V projections (2 heads) are held by groups of 2 ranks. shardplan's
   `replica_grad` all-reduces the whole K or V weight's gradient (its logical size), twice the
   rank's share that the Megatron row sums within each group: most of the gap at tp 4.
-- Falcon (multi-query, fused QKV, parallel attention) keeps its attention replicated: fewer
-  bytes than Megatron, more parameters per rank (see docs/design.md, Known limits).
+- Falcon (multi-query, fused QKV, parallel attention) splits its query heads and holds the
+  one K and V head on every rank (a count per block): parameters at Megatron's. Its bytes
+  are 1.20x: one f per layer where the count has two (attention and MLP read one input),
+  but a g for each, and the K and V blocks' gradient sum (2·hd·h per layer), which this
+  Megatron count leaves out for a multi-query model.
 - HF's own plans: GPT-J, Cohere, Helium and the MoE families communicate 1.8-2x Megatron's
   bytes at tp 2 (where the extra bytes go is not broken down here),
   GLM 3x (its fused gate_up gathered: `colwise_gather_output` + `rowwise_split_input`),
