@@ -1,4 +1,7 @@
-"""The ``shardplan`` command end to end, as a user runs it (subprocesses)."""
+"""The ``shardplan`` command end to end: ``main()`` in this process (a torch import per
+command would cost seconds of CPU each), and as a user runs it in a subprocess where the
+process itself is the point (exit status and stderr of ``python -m shardplan.cli``; the
+installed console script is in test_cli_e2e.py)."""
 
 from __future__ import annotations
 
@@ -53,14 +56,30 @@ def run_cli(*argv: str, pythonpath: str | None = None, timeout: float = 120):
 
 
 @pytest.fixture
+def cli(capsys, monkeypatch):
+    """``cli(*argv, pythonpath=None)``: ``main(argv)`` in this process, as
+    (exit status, stdout, stderr); ``pythonpath`` is on sys.path for the call only."""
+    def call(*argv: str, pythonpath: str | None = None):
+        with monkeypatch.context() as m:
+            if pythonpath:
+                m.syspath_prepend(pythonpath)
+                m.delitem(sys.modules, "user_models", raising=False)
+            code = main(list(argv))
+            sys.modules.pop("user_models", None)
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess(argv, code, out.out, out.err)
+    return call
+
+
+@pytest.fixture
 def user_module(tmp_path):
     (tmp_path / "user_models.py").write_text(USER_MODULE)
     return str(tmp_path)
 
 
-def test_plan_preset_prints_report_and_writes_json(tmp_path):
+def test_plan_preset_prints_report_and_writes_json(tmp_path, cli):
     out = tmp_path / "plan.json"
-    r = run_cli("plan", "gpt-tiny", "--tp", "2", "--json", str(out))
+    r = cli("plan", "gpt-tiny", "--tp", "2", "--json", str(out))
     assert r.returncode == 0, r.stderr
     assert "shardplan plan: GPT at tp=2" in r.stdout
     assert "parameters per rank:" in r.stdout and "unsharded" in r.stdout
@@ -71,16 +90,16 @@ def test_plan_preset_prints_report_and_writes_json(tmp_path):
     assert p.memory.param_bytes_per_rank < p.memory.param_bytes_unsharded
 
 
-def test_plan_70b_on_meta():
-    r = run_cli("plan", "llama-70b", "--tp", "8")
+def test_plan_70b_on_meta(cli):
+    r = cli("plan", "llama-70b", "--tp", "8")
     assert r.returncode == 0, r.stderr
     assert "Llama at tp=8" in r.stdout
     assert "of 262.83 GiB unsharded" in r.stdout
     assert "layers.0-79 (80 identical blocks)" in r.stdout
 
 
-def test_plan_import_string_builds_on_meta(user_module):
-    r = run_cli("plan", "user_models:factory", "--tp", "4", pythonpath=user_module)
+def test_plan_import_string_builds_on_meta(user_module, cli):
+    r = cli("plan", "user_models:factory", "--tp", "4", pythonpath=user_module)
     assert r.returncode == 0, r.stderr
     assert "factory device: meta" in r.stderr
     assert "Tiny at tp=4" in r.stdout
@@ -142,44 +161,44 @@ def test_bad_tp_and_help(capsys):
         assert command in out
 
 
-def test_verify_preset_ok():
-    r = run_cli("verify", "gpt-tiny", "--tp", "2")
+def test_verify_preset_ok(cli):
+    r = cli("verify", "gpt-tiny", "--tp", "2")
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.startswith("OK")
 
 
-def test_plan_html_and_diff(tmp_path):
+def test_plan_html_and_diff(tmp_path, cli):
     """plan --json/--html at two tp values, then diff: the changed layouts and memory."""
     a, b, page = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "a.html"
-    assert run_cli("plan", "llama-tiny", "--tp", "2", "--json", str(a), "--html",
-                   str(page)).returncode == 0
-    assert run_cli("plan", "llama-tiny", "--tp", "1", "--json", str(b)).returncode == 0
+    assert cli("plan", "llama-tiny", "--tp", "2", "--json", str(a), "--html",
+               str(page)).returncode == 0
+    assert cli("plan", "llama-tiny", "--tp", "1", "--json", str(b)).returncode == 0
     html = page.read_text()
     assert html.lstrip().lower().startswith("<!doctype html>") and "Llama" in html
     assert "<script src" not in html and "https://" not in html  # self-contained
-    r = run_cli("diff", str(a), str(b))
+    r = cli("diff", str(a), str(b))
     assert r.returncode == 0, r.stderr
     assert "tp: 2 -> 1" in r.stdout and "parameters per rank" in r.stdout
     assert "attention.wq.weight" in r.stdout
-    bad = run_cli("diff", str(a), str(tmp_path / "missing.json"))
+    bad = cli("diff", str(a), str(tmp_path / "missing.json"))
     assert bad.returncode == 2 and "cannot read plan" in bad.stderr
 
 
-def test_bench_lists_the_benchmarks():
-    r = run_cli("bench", "--list")
-    assert r.returncode == 0, r.stderr
+def test_bench_lists_the_benchmarks(capfd):
+    assert main(["bench", "--list"]) == 0  # runs python -m benchmarks: its output is on fd 1
+    out = capfd.readouterr().out
     for name in ("step_time", "comm_volume", "memory", "plan_scale"):
-        assert name in r.stdout
+        assert name in out
 
 
-def test_plan_hugging_face_config_json(tmp_path):
+def test_plan_hugging_face_config_json(tmp_path, cli):
     transformers = pytest.importorskip("transformers", reason="the [hf] extra is not installed")
     config = transformers.LlamaConfig(num_hidden_layers=3, hidden_size=64, num_attention_heads=4,
                                       num_key_value_heads=2, intermediate_size=96, vocab_size=100,
                                       architectures=["LlamaForCausalLM"])
     path = tmp_path / "config.json"
     config.to_json_file(path)
-    r = run_cli("plan", str(path), "--tp", "2")
+    r = cli("plan", str(path), "--tp", "2")
     assert r.returncode == 0, r.stderr
     assert "LlamaForCausalLM at tp=2" in r.stdout
     assert "model.layers.0-2 (3 identical blocks)" in r.stdout

@@ -240,10 +240,11 @@ def dropout_model(name: str):
     return model, tuple(ids), lambda out: out[1]
 
 
-def dropout_step(ctx, name: str, backend: str, recompute) -> dict:
+def dropout_step(ctx, name: str, backend: str, recompute, cache_dir: str | None = None) -> dict:
     """One forward/backward of ``dropout_model(name)`` from the same seeds, eager and
     compiled: {compiled: (loss, grads)}, whether every region dropout takes the
-    stream's state as data, and how many graphs compiled with no break."""
+    stream's state as data, and how many graphs compiled with no break. Inductor
+    compiles its kernels into ``cache_dir``, shared by the ranks."""
     import torch._dynamo
     from torch._dynamo.utils import counters
     from shardplan.runtime.graph_ops import ModelParallelRNG
@@ -258,7 +259,8 @@ def dropout_step(ctx, name: str, backend: str, recompute) -> dict:
                                         compile=compiled)
         manual_seed(1234, ctx.rank)
         try:
-            loss, code = _step_and_code(sharded, args, loss_of, compiled == "inductor")
+            loss, code = _step_and_code(sharded, args, loss_of,
+                                        cache_dir if compiled == "inductor" else None)
         finally:
             set_rng_tracker(None)
         out[bool(compiled)] = loss.detach(), {n: p.grad.clone() for n, p in
@@ -272,18 +274,26 @@ def dropout_step(ctx, name: str, backend: str, recompute) -> dict:
     return out
 
 
-def _step_and_code(sharded, args, loss_of, inductor: bool):
-    """(loss after forward and backward, the wrapper code inductor generated: compiled
-    from a fresh cache, so that it is generated here)."""
-    from torch._inductor.utils import fresh_cache, run_and_get_code
+def _step_and_code(sharded, args, loss_of, cache_dir: str | None):
+    """(loss after forward and backward, the wrapper code inductor generated, for a
+    ``cache_dir``: inductor's graph caches off, so that every rank generates its code;
+    the C++ kernels compiled into ``cache_dir``, where the ranks share them: inductor
+    compiles each kernel once, under a file lock, and the other rank loads it)."""
+    import os
+    from unittest import mock
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+    from torch._inductor.utils import run_and_get_code
 
     def step():
         loss = loss_of(sharded(*args))
         loss.backward()
         return loss
-    if not inductor:
+    if cache_dir is None:
         return step(), []
-    with fresh_cache():
+    with (mock.patch.dict(os.environ, {"TORCHINDUCTOR_CACHE_DIR": cache_dir}),
+          inductor_config.patch(fx_graph_cache=False),
+          functorch_config.patch(enable_autograd_cache=False)):
         return run_and_get_code(step)
 
 
@@ -326,15 +336,15 @@ def test_region_dropout_compiled_draws_the_eager_masks(real_ranks):
 
 
 @pytest.mark.timeout(600)
-def test_inductor():
+def test_inductor(tmp_path):
     """Inductor: train-mode dropout (both streams) draws eager's masks (eval mode compiled
     is compared with the unsharded model under aot_eager above, on all four models), and
     the gradients stay eager's with the collectives overlapped (runtime/overlap.py). Its
     own pool: inductor's C++ compile on a loaded 2-core machine can outlast the shared
-    pool's task timeout (and it compiles from a fresh cache, to read the code: 270 s
-    was too short at load 20)."""
+    pool's task timeout (it compiles into an empty cache, to read the code: 270 s was
+    too short at load 20; the two ranks share that cache, so each kernel compiles once)."""
     with RealRanks(2, timeout=540) as pool:
-        ranks = pool.run(dropout_step, "gpt", "inductor", False)
+        ranks = pool.run(dropout_step, "gpt", "inductor", False, str(tmp_path / "inductor"))
     assert_same_draws(ranks)
     # backward: a weight gradient's GEMM runs while its input gradient is all-reduced
     assert all(r["overlapped"] for r in ranks)

@@ -155,12 +155,16 @@ def test_demo_end_to_end(tmp_path):
 
 @pytest.mark.real
 @pytest.mark.timeout(300)
-def test_demo_with_data_parallelism(tmp_path):
+def test_demo_with_data_parallelism(tmp_path, capsys):
     """dp=2: each replica trains on half the batch, gradients averaged; equal to the
     unsharded run on the whole batch. (tp=1 keeps it to two processes on a 2-core
-    machine; tp=2 x dp=2 meshes are tested in test_train.py.)"""
-    proc, out = _run_demo(tmp_path, "--steps", "3", "--size", "tiny", "--tp", "1", "--dp", "2")
-    assert "starting 2 gloo processes (tp=1 x dp=2)" in proc.stdout
+    machine; tp=2 x dp=2 meshes are tested in test_train.py.) The command's ``main()``
+    in this process: the test above runs it as a user does."""
+    from shardplan.cli import main
+    out = str(tmp_path / "demo-out")
+    assert main(["demo", "--steps", "3", "--size", "tiny", "--tp", "1", "--dp", "2",
+                 "--out", out]) == 0
+    assert "starting 2 gloo processes (tp=1 x dp=2)" in capsys.readouterr().out
     with open(os.path.join(out, "summary.json")) as f:
         summary = json.load(f)
     assert summary["match"] is True and summary["config"]["dp"] == 2
