@@ -99,41 +99,50 @@ def _assert_plan_shows_sequence(plan, layers):
 
 
 def test_gpt_ledger_counts():
-    """Per layer 2 reduce-scatters and 2 all-gathers of b*s*h forward (and the same
-    backward, plus an all-gather re-gathering each column linear's input), one more of
-    each for the embedding and the LM head; the gradient sums of the per-token
-    parameters in one flat all-reduce per step (each block's ln_1, ln_2 weight and bias
-    and two row biases: 6h; ln_f's weight and bias), and the position embedding's. With
-    recomputation the graph runs block by block: one flat all-reduce per block."""
+    """Per layer 2 reduce-scatters and 2 all-gathers of b*s*h forward, one more of each
+    for the embedding and the LM head. Backward mirrors them, and each region's closing
+    all-gather carries, in the same call, the input shard its column linear re-gathers
+    (2*b*s*h); the head's region closes at the loss, so its input is re-gathered in a
+    call of its own. The gradient sums of the per-token tensors go in one flat
+    all-reduce per step: each block's ln_1, ln_2 weight and bias and two row biases
+    (6h), ln_f's weight and bias (2h) and the position embedding's output (T*h). So
+    8L + 9 calls a step, the loss's three all-reduces included. With recomputation the
+    graph runs block by block: one flat all-reduce per block."""
     model, args = _bundled("gpt-tiny")
     cfg, tp = model.config, 2
     L, h = cfg.n_layer, cfg.n_embd
+    full = B * T * h
     results = _run(model, args, {}, tp)
     for records in (r[4] for r in results):
         fwd = sorted((r.kind, r.elements) for r in records if r.direction == "forward")
         bwd = sorted((r.kind, r.elements) for r in records if r.direction == "backward")
-        full = B * T * h
         assert fwd.count(("reduce_scatter", full)) == 2 * L + 1
         assert fwd.count(("all_gather", full)) == 2 * L + 1
         assert not [k for k, n in fwd if k == "all_reduce" and n == full]
-        assert bwd.count(("all_gather", full)) == 2 * (2 * L + 1)  # and the linears' inputs
+        assert bwd.count(("all_gather", 2 * full)) == 2 * L  # gradient and input shard
+        assert bwd.count(("all_gather", full)) == 2  # the embedding's, the head's input
         assert bwd.count(("reduce_scatter", full)) == 2 * L + 1
         sums = sorted(n for k, n in bwd if k == "all_reduce")
-        assert sums == sorted([6 * h * L + 2 * h, T * h])  # the blocks' and ln_f's, wpe's
+        assert sums == [6 * h * L + 2 * h + T * h]
+        assert len(records) == 8 * L + 9 + 1  # and the logits' gather (gather_output)
     plan = results[0][5]
     assert plan.count(purpose="seq_scatter", direction="forward") == 2 * L + 1
-    assert plan.count(purpose="seq_grad") == 1  # wpe's output
+    assert not plan.count(purpose="seq_grad")  # wpe's output is in the bucket
     buckets = [c for c in plan.collectives if c.purpose == "seq_grad_bucket"]
-    assert [c.elements for c in buckets] == [6 * h * L + 2 * h]
+    assert [c.elements for c in buckets] == [6 * h * L + 2 * h + T * h]
     assert plan.count(purpose="seq_regather", kind="all_gather", direction="backward") == 2 * L + 1
+    assert plan.calls(purpose="seq_regather") == 1  # the head's; the others ride along
+    assert plan.calls() - plan.count(purpose="gather_output") == 8 * L + 9
     recomputed = SimulatedRanks(tp).run(step, model, args, {}, capture(model, args, {}), True,
                                         None, True)
     for records in (r[4] for r in recomputed):
         sums = sorted(r.elements for r in records
                       if r.kind == "all_reduce" and r.direction == "backward")
-        assert sums == sorted([6 * h] * L + [2 * h, T * h])
+        assert sums == sorted([6 * h] * L + [2 * h + T * h])
+        assert [r.kind for r in records if r.direction == "backward"
+                and r.elements == 2 * full] == ["all_gather"] * (2 * L)
     buckets = [c for c in recomputed[0][5].collectives if c.purpose == "seq_grad_bucket"]
-    assert sorted(c.elements for c in buckets) == sorted([6 * h] * L + [2 * h])
+    assert sorted(c.elements for c in buckets) == sorted([6 * h] * L + [2 * h + T * h])
 
 
 def test_saved_activations_hold_only_tokens():
@@ -235,7 +244,8 @@ def _assert_conv1d_on_tokens(results, cfg):
 
 def test_plan_bucket_counts_every_stamped_block():
     """``plan()`` captures five identical blocks as three and stamps them: its one bucket
-    per step sums every block's 6h per-token parameters and ln_f's 2h."""
+    per step sums every block's 6h per-token parameters, ln_f's 2h and the position
+    embedding's T*h."""
     import shardplan
     torch.manual_seed(0)
     L = 5
@@ -244,7 +254,7 @@ def test_plan_bucket_counts_every_stamped_block():
     idx = torch.zeros(B, T, dtype=torch.long)
     p = shardplan.plan(model, 2, example_inputs=(idx, idx), sequence_parallel=True)
     assert [c.elements for c in p.collectives
-            if c.purpose == "seq_grad_bucket"] == [6 * h * L + 2 * h]
+            if c.purpose == "seq_grad_bucket"] == [6 * h * L + 2 * h + T * h]
 
 
 def _assert_llama_ledger(results, cfg):
@@ -255,8 +265,10 @@ def _assert_llama_ledger(results, cfg):
     and up (once for the two). HF slices the final hidden states (``logits_to_keep=0``
     keeps every position, a slice that runs on the shard), so the LM head opens on the
     final norm's gather like any column linear: a reduce-scatter backward and a
-    re-gather. The norms' weights have their gradients summed in one flat all-reduce per
-    step: every block's two and the final one."""
+    re-gather of its own; every block's re-gathers ride in their region's closing
+    all-gather (gradient and input shard, 2*b*s*h). The norms' weights have their
+    gradients summed in one flat all-reduce per step: every block's two and the final
+    one."""
     L, h = cfg.num_hidden_layers, cfg.hidden_size
     full = B * T * h
     for records in (r[4] for r in results):
@@ -265,7 +277,8 @@ def _assert_llama_ledger(results, cfg):
         assert fwd.count(("reduce_scatter", full)) == 2 * L + 1
         assert fwd.count(("all_gather", full)) == 2 * L + 1
         assert bwd.count(("reduce_scatter", full)) == 2 * L + 1
-        assert bwd.count(("all_gather", full)) == (2 * L + 1) + (2 * L + 1)
+        assert bwd.count(("all_gather", 2 * full)) == 2 * L
+        assert bwd.count(("all_gather", full)) == 2  # the embedding's, the head's input
         assert [n for k, n in bwd if k == "all_reduce"] == [2 * h * L + h]
         assert not [k for k, n in fwd if k == "all_reduce" and n == full]
 

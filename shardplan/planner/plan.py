@@ -53,6 +53,9 @@ class CollectiveEntry(BaseModel):
     node: str
     module: str
     source: str | None = None
+    #: the node whose collective's call carries this one too (one c10d call for both:
+    #: a sequence-parallel re-gather in its region's closing scatter's backward all-gather)
+    rides_with: str | None = None
 
 
 class Decision(BaseModel):
@@ -112,6 +115,11 @@ class Plan(BaseModel):
     def count(self, **match) -> int:
         return sum(1 for c in self.collectives
                    if all(getattr(c, k) == v for k, v in match.items()))
+
+    def calls(self, **match) -> int:
+        """The c10d calls of the matching collectives (one that rides in another's call
+        makes none of its own)."""
+        return self.count(rides_with=None, **match)
 
     def param(self, name: str) -> ParamEntry:
         for p in self.params:
@@ -321,7 +329,7 @@ def _collectives(transitions: list[Transition], tokens: int) -> list[CollectiveE
                     kind=coll.c10d, direction=direction, purpose=t.purpose,
                     elements=elements, elements_per_token=elements / max(tokens, 1),
                     bytes=elements * size, node=t.src.name, module=module_of(at),
-                    source=source_of(at)))
+                    source=source_of(at), rides_with=t.carrier and t.carrier.name))
     return out
 
 
@@ -382,10 +390,11 @@ class _Stamp:
     def bucket(self, t: Transition) -> Transition:
         """``t``; a gradient bucket of several blocks (one per step) summing every block's
         members: a captured block's count once per block it stands for."""
-        if t.purpose is not Purpose.SEQ_GRAD_BUCKET or len({block_of(s.target)
+        name = lambda s: s.target if s.op == "get_attr" else module_of(s)  # noqa: E731
+        if t.purpose is not Purpose.SEQ_GRAD_BUCKET or len({block_of(name(s))
                                                             for s in t.sources}) < 2:
             return t
-        n = sum(math.prod(message(s)) * len(self._names(s.target)) for s in t.sources)
+        n = sum(math.prod(message(s)) * len(self._names(name(s))) for s in t.sources)
         return replace(t, messages=((n,),))
 
     def entries(self, items: list) -> list:

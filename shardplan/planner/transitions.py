@@ -40,7 +40,10 @@ where recomputation or FSDP run the graph block by block; ``sources`` are the
 parameters, ``messages`` one flat buffer. ``SEQ_REGATHER``: the linears
 reading a ``SEQ_GATHER`` keep only this rank's tokens for backward and
 all-gather them again, once for all of them, for their weights' gradients,
-so the gathered input is not held until backward (Megatron's choice).
+so the gathered input is not held until backward (Megatron's choice). Its
+``carrier``, where set, is the region's closing ``SEQ_SCATTER``: that scatter's
+backward all-gather of the output gradient carries the shard too, in the same
+call, and the linears' backward finds it gathered (one call a region fewer).
 ``STAT`` is ``G`` for a reduction over a split dim (a norm's mean of squares
 over all heads): each rank reduces its part, and the small result (b*s
 numbers) is summed; where the whole statistic then meets the parts again,
@@ -119,6 +122,8 @@ class Transition:
     messages: tuple[tuple[int, ...], ...] = ()
     dtype: torch.dtype = torch.float32
     sources: tuple[fx.Node, ...] = ()  # SEQ_GRAD_BUCKET: every tensor it sums (src first)
+    # SEQ_REGATHER: the node whose SEQ_SCATTER's backward all-gather carries it (one call)
+    carrier: fx.Node | None = None
 
     @property
     def direction(self) -> str | None:

@@ -74,6 +74,26 @@ class Group:
             return t.clone()
         return self._reduce_scatter(t.contiguous(), dim)
 
+    def all_gather_many(self, ts: list[torch.Tensor], dims: list[int], *,
+                        direction: str = "none", site: str | None = None) -> list[torch.Tensor]:
+        """``all_gather`` of each of ``ts`` along its dim in ``dims``, in one call: every
+        rank's tensors travel as one flat buffer of their bytes (dtypes may differ)."""
+        if torch.compiler.is_dynamo_compiling():
+            return [self.all_gather(t, d) for t, d in zip(ts, dims)]
+        self._log("all_gather", sum(t.numel() for t in ts) * self.size, None, direction, site,
+                  nbytes=sum(t.numel() * t.element_size() for t in ts) * self.size)
+        if self.size == 1:
+            return [t.clone() for t in ts]
+        flat = torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in ts])
+        got = self._all_gather(flat, 0).view(self.size, -1)  # [rank, bytes]
+        out, at = [], 0
+        for t, d in zip(ts, dims):
+            n = t.numel() * t.element_size()
+            parts = got[:, at:at + n].contiguous().view(t.dtype).view(self.size, *t.shape)
+            out.append(_unstack(parts, d % t.dim()))
+            at += n
+        return out
+
     def all_gather_start(self, t: torch.Tensor, dim: int, *,
                          direction: str = "none", site: str | None = None) -> Pending:
         """``all_gather``, running in the background where the backend can (gloo's worker
@@ -122,13 +142,14 @@ class Group:
     def __deepcopy__(self, memo):
         return self  # a group is a handle on ranks, never copied with a module
 
-    def _log(self, kind, elements, elsize, direction, site, op="sum"):
-        """Record the collective in the ledger; remember it for error messages."""
+    def _log(self, kind, elements, elsize, direction, site, op="sum", nbytes=None):
+        """Record the collective in the ledger (``nbytes``: its bytes, where its elements
+        differ in size); remember it for error messages."""
         _CURRENT.op = (kind, site)
         if ledger.recording():
             ledger.record(ledger.CommRecord(
                 kind=kind, group_size=self.size, elements=elements,
-                bytes=elements * elsize, direction=direction,
+                bytes=elements * elsize if nbytes is None else nbytes, direction=direction,
                 site=site or _caller(), op=op))
 
 
