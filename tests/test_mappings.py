@@ -162,3 +162,71 @@ def test_ledger_site_is_the_callers_line(tp):
 
     for site in SimulatedRanks(tp).run(check, torch.ones(2)):
         assert site.startswith(__file__) and "shardplan/runtime" not in site
+
+
+def check_carried_regather(ctx, full_x, w, w_out, carried):
+    """A sequence-parallel region on one rank: linears on the gathered shard of
+    ``full_x`` (the opener), a row linear (the closer) reduce-scattered back onto the
+    tokens; with ``carried`` the closer's backward gathers the opener's shard too."""
+    from shardplan.runtime.mappings import RegatherLink, linears_on_gathered_sequence
+    shard = full_x.chunk(ctx.group.size, 1)[ctx.rank].clone().requires_grad_()
+    wr = w.chunk(ctx.group.size, 0)[ctx.rank].clone().requires_grad_()
+    wo = w_out.chunk(ctx.group.size, 1)[ctx.rank].clone().requires_grad_()
+    link = RegatherLink(1) if carried else None
+    with CommLedger() as led:
+        (y,) = linears_on_gathered_sequence(None, shard, (wr, None), ctx.group, dim=1,
+                                            link=link, slot=0)
+        out = reduce_scatter_to_sequence(torch.nn.functional.linear(y.relu(), wo), ctx.group,
+                                         dim=1, link=link, shards=(shard,) if carried else ())
+        out.square().sum().backward()
+    return out.detach(), shard.grad, wr.grad, wo.grad, comm(led)
+
+
+def test_carried_regather_matches_own_regather():
+    """The closer's backward all-gather carries the opener's shard (one call of gradient
+    and shard) and the gradients are the same as with the opener's own re-gather, which
+    equal the unsharded region's; every rank."""
+    tp, b, s, h = 2, 2, 4, 6
+    gen = torch.Generator().manual_seed(0)
+    x, w, wo = randn(gen, b, s, h), randn(gen, 8, h), randn(gen, h, 8)
+    ref_x, ref_w, ref_wo = (t.clone().requires_grad_() for t in (x, w, wo))
+    ref = torch.nn.functional.linear(torch.nn.functional.linear(ref_x, ref_w).relu(), ref_wo)
+    ref.square().sum().backward()
+    own = SimulatedRanks(tp).run(check_carried_regather, x, w, wo, False)
+    carried = SimulatedRanks(tp).run(check_carried_regather, x, w, wo, True)
+    n = b * s * h
+    for rank, (a, c) in enumerate(zip(own, carried)):
+        for got in (a, c):
+            close(got[0], ref.detach().chunk(tp, 1)[rank])
+            close(got[1], ref_x.grad.chunk(tp, 1)[rank])
+            close(got[2], ref_w.grad.chunk(tp, 0)[rank])
+            close(got[3], ref_wo.grad.chunk(tp, 1)[rank])
+        backward = lambda recs: sorted(r for r in recs if r[1] == "backward")  # noqa: E731
+        assert backward(a[4]) == [("all_gather", "backward", n), ("all_gather", "backward", n),
+                                  ("reduce_scatter", "backward", n)]
+        assert backward(c[4]) == [("all_gather", "backward", 2 * n),
+                                  ("reduce_scatter", "backward", n)]
+
+
+def check_all_gather_many(ctx):
+    """Tensors of three dtypes, one not contiguous, gathered in one call and apart."""
+    r = ctx.rank
+    a = torch.arange(30.).view(2, 3, 5) + 100 * r
+    b = (torch.arange(30).view(2, 3, 5) + 100 * r).to(torch.bfloat16)
+    c = torch.arange(7, dtype=torch.float64)[:, None].expand(7, 3) + r
+    with CommLedger() as led:
+        together = ctx.group.all_gather_many([a, b, c], [1, 1, 0])
+    return together, comm(led)
+
+
+def test_all_gather_many_is_each_all_gather_in_one_call():
+    tp = 3
+    for together, records in SimulatedRanks(tp).run(check_all_gather_many):
+        a, b, c = together
+        want_a = torch.cat([torch.arange(30.).view(2, 3, 5) + 100 * r for r in range(tp)], 1)
+        assert torch.equal(a, want_a)
+        assert b.dtype == torch.bfloat16 and torch.equal(b, want_a.to(torch.bfloat16))
+        assert c.dtype == torch.float64 and torch.equal(
+            c, torch.cat([torch.arange(7.)[:, None].expand(7, 3) + r for r in range(tp)], 0)
+            .double())
+        assert records == [("all_gather", "none", tp * (30 + 30 + 21))]

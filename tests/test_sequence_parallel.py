@@ -287,8 +287,26 @@ def _assert_llama_ledger(results, cfg):
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])
 def test_real_gloo(real_ranks, name):
+    """Two gloo processes: outputs, loss and gradients equal the unsharded model's on
+    every rank, each region's re-gather carried by its closing all-gather (one call of
+    2*b*s*h a region); under bf16 autocast too (bf16 gradient and fp32 shard in one
+    call), its loss that of the unsharded model under autocast."""
     model, args = _bundled(name)
-    _assert_equal(real_ranks(2).run(real_step, name, args), model, args)
+    results = real_ranks(2).run(real_step, name, args)
+    _assert_equal(results, model, args)
+    cfg = model.config
+    L = getattr(cfg, "n_layer", None) or cfg.n_layers
+    h = getattr(cfg, "n_embd", None) or cfg.dim
+    full = B * T * h
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = copy.deepcopy(model)(*args)[1].float().item()
+    for r in results:
+        bwd = [(k, n) for k, d, n in r[4] if d == "backward"]
+        assert bwd.count(("all_gather", 2 * full)) == 2 * L
+        assert bwd.count(("all_gather", full)) == 2  # the embedding's, the head's input
+        loss, dtypes = r[5]
+        assert dtypes == {torch.float32}
+        assert loss == pytest.approx(want, rel=1e-2)
 
 
 @pytest.mark.real

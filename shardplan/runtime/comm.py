@@ -84,15 +84,20 @@ class Group:
                   nbytes=sum(t.numel() * t.element_size() for t in ts) * self.size)
         if self.size == 1:
             return [t.clone() for t in ts]
-        flat = torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in ts])
-        got = self._all_gather(flat, 0).view(self.size, -1)  # [rank, bytes]
-        out, at = [], 0
-        for t, d in zip(ts, dims):
-            n = t.numel() * t.element_size()
-            parts = got[:, at:at + n].contiguous().view(t.dtype).view(self.size, *t.shape)
-            out.append(_unstack(parts, d % t.dim()))
-            at += n
-        return out
+        starts, end = [], 0
+        for t in ts:  # each tensor's bytes start aligned for any dtype's view
+            end = -(-end // 16) * 16
+            starts.append(end)
+            end += t.numel() * t.element_size()
+        end = -(-end // 16) * 16
+        flat = ts[0].new_empty(end, dtype=torch.uint8)
+        for t, at in zip(ts, starts):
+            flat[at:at + t.numel() * t.element_size()].view(t.dtype).view(t.shape).copy_(t)
+        got = self._all_gather(flat, 0).view(self.size, end)  # [rank, bytes]
+        # rank r's part of each tensor, viewed in place, then laid out along its dim (one copy)
+        return [_unstack(got[:, at:at + t.numel() * t.element_size()].view(t.dtype)
+                         .unflatten(1, t.shape), d % t.dim())
+                for t, d, at in zip(ts, dims, starts)]
 
     def all_gather_start(self, t: torch.Tensor, dim: int, *,
                          direction: str = "none", site: str | None = None) -> Pending:
