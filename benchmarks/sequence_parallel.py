@@ -149,11 +149,10 @@ def comm(sz: dict, tps) -> dict:
             # the position embedding's output (s x h) is summed in the block-less bucket too
             alone = any(k.startswith("seq_grad ") for k in wire)  # or in a sum of its own
             pos_sum = 4 * sz["seq"] * sz["h"] * 2 * (tp - 1) / tp if sp and not alone else 0.0
-            mine = [c for c in p.collectives
-                    if getattr(c.purpose, "value", c.purpose) != "gather_output"]
             out[tp, sp] = dict(total=sum(by.values()), wire=sum(wire.values()), head_sum=head_sum,
-                               pos_sum=pos_sum, n=len(mine),
-                               calls=sum(1 for c in mine if c.rides_with is None),
+                               pos_sum=pos_sum,
+                               n=sum(1 for c in p.collectives
+                                     if getattr(c.purpose, "value", c.purpose) != "gather_output"),
                                by=dict(by), by_wire=dict(wire))
     return out
 
@@ -161,8 +160,7 @@ def comm(sz: dict, tps) -> dict:
 # --------------------------------------------------------------------------------- time
 
 _STATE: dict = {}
-OWN = "SP, own re-gathers"  # SP with each region's re-gather in a call of its own
-CONTENDERS = ("plain", "SP", OWN, "DTensor SP")
+CONTENDERS = ("plain", "SP", "DTensor SP")
 
 
 def _setup(ctx, sz: dict) -> None:
@@ -184,27 +182,10 @@ def _setup(ctx, sz: dict) -> None:
             m, context = dtensor_plan.sequence_parallel(m, mesh), dtensor_plan.loss_context
         else:
             m = shardplan.parallelize(m, group=ctx.group, example_inputs=batch,
-                                      gather_output=False, sequence_parallel=name != "plain")
-            if name == OWN:
-                _own_regathers(m.graph_module)
+                                      gather_output=False, sequence_parallel=name == "SP")
             context = contextlib.nullcontext
         _STATE[name] = (m, torch.optim.AdamW(m.parameters(), lr=1e-3), context)
     _time_collectives()
-
-
-def _own_regathers(gm) -> None:
-    """Undo the carried re-gathers in ``gm``: the closing scatters gather the gradient
-    alone, and the opening linears re-gather their shards in calls of their own (as
-    before ``planner/carry_regathers.py``), to time against."""
-    for node in list(gm.graph.nodes):
-        if node.op == "call_module" and "link" in node.kwargs:
-            node.kwargs = {k: v for k, v in node.kwargs.items() if k not in ("link", "slot")}
-            if node.target.startswith("tp_seq_scatter"):
-                node.args = node.args[:1]
-    for node in list(gm.graph.nodes):
-        if node.op == "call_module" and node.target.startswith("tp_seq_link") and not node.users:
-            gm.graph.erase_node(node)
-    gm.recompile()
 
 
 def _time_collectives() -> None:
@@ -267,8 +248,7 @@ def timing(sz: dict, steps: int, warmup: int) -> dict:
     with RealRanks(2, timeout=600) as ranks:
         ranks.run(_setup, sz)
         for i in range(warmup + steps):
-            k = i % len(CONTENDERS)
-            order = list(CONTENDERS[k:] + CONTENDERS[:k])  # rotated every round
+            order = list(CONTENDERS[i % 3:] + CONTENDERS[:i % 3])  # rotated every round
             per_rank = ranks.run(_round, order)
             got = {name: max(r[name][0] for r in per_rank) for name in CONTENDERS}
             for name in CONTENDERS:
@@ -285,7 +265,7 @@ def timing(sz: dict, steps: int, warmup: int) -> dict:
     runs["collectives"] = {k: [sum(r[k][0] for r in spent) / len(spent) / steps,
                                spent[0][k][1] / steps] for k in spent[0]}
     runs["loss_diff"] = {name: max(abs(a - b) for a, b in zip(losses[name], losses["plain"]))
-                         for name in CONTENDERS if name != "plain"}
+                         for name in ("SP", "DTensor SP")}
     return runs
 
 
@@ -341,8 +321,7 @@ def comm_table(results: list) -> str:
             p, s = cm[tp, False], cm[tp, True]
             x = _split_extra(s)
             lines.append(f"| {sz['name']} | {tp} | {_mb(p['total'])} ({p['n']}) "
-                         f"| {_mb(s['total'])} ({s['n']}; {s['calls']} calls) "
-                         f"| {s['total'] / p['total']:.3f} "
+                         f"| {_mb(s['total'])} ({s['n']}) | {s['total'] / p['total']:.3f} "
                          f"| {_mb(p['wire'])} | {_mb(s['wire'])} | {s['wire'] / p['wire']:.3f} "
                          f"| {_mb(x['regather'])} | {_mb(x['megatron_sums'])} "
                          f"| {_mb(x['ours'])} |")
@@ -378,7 +357,6 @@ def main(argv=None) -> int:
 
     ratio = [b / a for a, b in zip(runs["plain"], runs["SP"])]
     vs_dtensor = [b / a for a, b in zip(runs["DTensor SP"], runs["SP"])]
-    vs_own = [b / a for a, b in zip(runs[OWN], runs["SP"])]
     mismatch = [f"{sz['name']} tp={tp} {NAME[sp]}: measured {m['per_block']:,} B, theory "
                 f"{block_theory(sz, tp, sp):,}"
                 for sz, mm in mem for (tp, sp), m in mm.items()
@@ -390,7 +368,6 @@ def main(argv=None) -> int:
         "| contender | step, ms: median (min–max) | SP / this per round |", "|---|---:|---:|",
         f"| plain | {spread([x * 1e3 for x in runs['plain']])} | {spread(ratio, _x3)} |",
         f"| SP | {spread([x * 1e3 for x in runs['SP']])} | |",
-        f"| {OWN} | {spread([x * 1e3 for x in runs[OWN]])} | {spread(vs_own, _x3)} |",
         f"| DTensor SP | {spread([x * 1e3 for x in runs['DTensor SP']])} "
         f"| {spread(vs_dtensor, _x3)} |"])
     verdict = "within" if med(ratio) <= 1.05 else "outside"
@@ -407,9 +384,7 @@ def main(argv=None) -> int:
         "Sent per rank, SP less those three columns equals plain to within "
         f"{max(abs(_residual(m[t, True], m[t, False])) for _, m in cm for t, _ in m):,.0f} "
         "bytes in every row: an all-reduce and its reduce-scatter + all-gather pair send the "
-        "same. The calls: a block's re-gathers ride in its regions' closing all-gathers (one "
-        "call carries the output gradient and the input shard), and the position embedding's "
-        "gradient sum rides in the per-step bucket. Megatron pays the re-gathers (one all-gather of s·b·h per gathered input, "
+        "same. Megatron pays the re-gathers (one all-gather of s·b·h per gathered input, "
         "shared by the linears reading it: q, k, v share one) and the norms' and row biases' "
         "gradient sums (it all-reduces them in one bucket, as we do: `seq_grad_bucket`, one "
         "per step, one per block under recomputation or FSDP). Ours alone: at the wide-hidden size the embedding has fewer rows "
@@ -430,10 +405,8 @@ def main(argv=None) -> int:
         ttab, "",
         f"SP / plain step time, median per round: {med(ratio):.3f}x ({verdict} the 1.05x goal); "
         f"SP / DTensor SP: {med(vs_dtensor):.3f}x ({verdict_dt} the 0.75x goal). Largest loss "
-        f"difference over the rounds against plain: SP {runs['loss_diff']['SP']:.1e}, {OWN} "
-        f"{runs['loss_diff'][OWN]:.1e}, DTensor SP {runs['loss_diff']['DTensor SP']:.1e}. "
-        f"SP / {OWN} (what carrying each region's re-gather in its closing scatter's "
-        f"backward all-gather buys): {med(vs_own):.3f}x.", "",
+        f"difference over the rounds against plain: SP {runs['loss_diff']['SP']:.1e}, DTensor SP "
+        f"{runs['loss_diff']['DTensor SP']:.1e}.", "",
         "Time inside shardplan's collectives per step (mean of the two ranks; the c10d call "
         "each runs; waiting for the slower rank included; a call overlapped with compute "
         "counts its launch and the wait for it, not the time it ran behind the GEMMs):", "",

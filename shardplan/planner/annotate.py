@@ -37,7 +37,6 @@ import torch.fx as fx
 
 from .blocks import split_first
 from .capture import GUARDS, module_of, source_of
-from .carry_regathers import carry_regathers
 from ..errors import ConfigurationError, DivisibilityError, LayoutError, ShardplanError
 from ..layouts import Partial, Replicate, Shard
 from .graph import args_of, describe, floating, hint, op_name, operand, operands, shape
@@ -793,8 +792,7 @@ def _transitions(ann: Annotation) -> list[Transition]:
                                   Collective.ALL_REDUCE_MAX if maximum else Collective.ALL_REDUCE,
                                   Collective.NONE,
                                   (message(node),), dtype_of(node)))
-    out = carry_regathers(_bucket_grad_sums(out), ann.layouts, ann.on_tokens,
-                          lambda n: block_of(module_of(n)))
+    out = _bucket_grad_sums(out)
     output = next(n for n in ann.gm.graph.nodes if n.op == "output")
     for a in output.all_input_nodes:
         lay = ann.read(a)

@@ -53,9 +53,6 @@ class CollectiveEntry(BaseModel):
     node: str
     module: str
     source: str | None = None
-    #: the node whose collective's call carries this one too (one c10d call for both:
-    #: a sequence-parallel re-gather in its region's closing scatter's backward all-gather)
-    rides_with: str | None = None
 
 
 class Decision(BaseModel):
@@ -115,11 +112,6 @@ class Plan(BaseModel):
     def count(self, **match) -> int:
         return sum(1 for c in self.collectives
                    if all(getattr(c, k) == v for k, v in match.items()))
-
-    def calls(self, **match) -> int:
-        """The c10d calls of the matching collectives (one that rides in another's call
-        makes none of its own)."""
-        return self.count(rides_with=None, **match)
 
     def param(self, name: str) -> ParamEntry:
         for p in self.params:
@@ -329,7 +321,7 @@ def _collectives(transitions: list[Transition], tokens: int) -> list[CollectiveE
                     kind=coll.c10d, direction=direction, purpose=t.purpose,
                     elements=elements, elements_per_token=elements / max(tokens, 1),
                     bytes=elements * size, node=t.src.name, module=module_of(at),
-                    source=source_of(at), rides_with=t.carrier and t.carrier.name))
+                    source=source_of(at)))
     return out
 
 

@@ -28,8 +28,7 @@ from ..layouts import Shard
 from ..runtime.comm import Group
 from ..runtime.graph_ops import (CopyToRegion, GatherSequence, GatherShard,
                                 LinearsOnGatheredSequence, LocalShard, MaxOverRanks,
-                                ModelParallelRNG, NewRegatherLink, ReduceFromRegion,
-                                ScatterToSequence,
+                                ModelParallelRNG, ReduceFromRegion, ScatterToSequence,
                                 SumGradients,
                                 SumOverReplicas, VocabCrossEntropy, VocabLookup)
 
@@ -72,8 +71,6 @@ class _Rewriter:
         self.gathers: list[Transition] = []
         self.bias: dict = {}  # annotated view -> the bias of the partial result it views
         self.fused: set = set()  # annotated linears run by the first linear sharing their input
-        # annotated scatter carrying re-gathers -> (its RegatherLink node, the shards it carries)
-        self.links: dict = {}
         for t in ann.transitions:
             if t.purpose in (Purpose.G, Purpose.SEQ_SCATTER, Purpose.STAT):
                 self.after[t.src] = t
@@ -197,20 +194,16 @@ class _Rewriter:
         users = list(node.users)
         node, bias = self._strip_bias(orig, node, out)
         bias = self.bias.get(orig, bias)
-        args, kwargs = (node,), {}
         if t.purpose is Purpose.SEQ_SCATTER:
             mod = self._module("seq_scatter",
                                ScatterToSequence(self.group, t.after.dim, self._site(node)))
-            if orig in self.links:  # its backward call carries the opening linears' shards
-                link, shards = self.links[orig]
-                args, kwargs = (node, *shards), {"link": link}
         elif t.forward is Collective.ALL_REDUCE_MAX:
             mod = self._module("stat_max", MaxOverRanks(self.group, self._site(node)))
         else:
             mod = self._module("g" if t.purpose is Purpose.G else t.purpose.value,
                                ReduceFromRegion(self.group, self._site(node)))
         with self.graph.inserting_after(node):
-            g = self.graph.call_module(mod, args, kwargs)
+            g = self.graph.call_module(mod, (node,))
         last = g
         if bias is not None:
             with self.graph.inserting_after(g):
@@ -250,8 +243,7 @@ class _Rewriter:
         mod = self._module("seq_linear", LinearsOnGatheredSequence(
             self.group, t.before.dim, self._site(t.src)))
         with self.graph.inserting_before(node):
-            fused = self.graph.call_module(mod, (args_of(node)["input"], shard, *weights),
-                                           self._carried_by(t, shard, node))
+            fused = self.graph.call_module(mod, (args_of(node)["input"], shard, *weights))
             outs = [self.graph.call_function(operator.getitem, (fused, i))
                     for i in range(len(linears))]
         _in_module_of(fused, node)
@@ -267,21 +259,6 @@ class _Rewriter:
             self.graph.erase_node(gathered)
             self.gm.delete_submodule(gathered.target)
         return self.env[orig]
-
-    def _carried_by(self, t: Transition, shard: fx.Node, node: fx.Node) -> dict:
-        """The ``link`` and ``slot`` through which re-gather ``t``'s carrier hands the
-        gathered ``shard`` to the linears at ``node`` ({} where none carries it)."""
-        if t.carrier is None:
-            return {}
-        if t.carrier not in self.links:
-            with self.graph.inserting_before(node):
-                link = self.graph.call_module(self._module("seq_link", NewRegatherLink(0)), ())
-            _in_module_of(link, node)
-            self.links[t.carrier] = (link, [])
-        link, shards = self.links[t.carrier]
-        self.gm.get_submodule(link.target).slots += 1
-        shards.append(shard)
-        return {"link": link, "slot": len(shards) - 1}
 
     def gather_outputs(self) -> None:
         out = next(n for n in self.graph.nodes if n.op == "output")

@@ -34,16 +34,13 @@ sequence: its gradient is whole on every rank). ``SEQ_GRAD`` is ``F``'s collecti
 sequence-sharded ops (a norm's weight, a position embedding): each rank's
 gradient covers only its tokens, so it is summed over the ranks, once.
 ``SEQ_GRAD_BUCKET`` is the ``SEQ_GRAD``s of the parameters (norms' weights and
-biases, row biases) in one flat all-reduce, run when the last of their
+biases, row biases) and of a position embedding's output in one flat all-reduce, run when the last of their
 gradients is ready (Megatron buckets them too): one per step, or one per block
 where recomputation or FSDP run the graph block by block; ``sources`` are the
 parameters, ``messages`` one flat buffer. ``SEQ_REGATHER``: the linears
 reading a ``SEQ_GATHER`` keep only this rank's tokens for backward and
 all-gather them again, once for all of them, for their weights' gradients,
-so the gathered input is not held until backward (Megatron's choice). Its
-``carrier``, where set, is the region's closing ``SEQ_SCATTER``: that scatter's
-backward all-gather of the output gradient carries the shard too, in the same
-call, and the linears' backward finds it gathered (one call a region fewer).
+so the gathered input is not held until backward (Megatron's choice).
 ``STAT`` is ``G`` for a reduction over a split dim (a norm's mean of squares
 over all heads): each rank reduces its part, and the small result (b*s
 numbers) is summed; where the whole statistic then meets the parts again,
@@ -122,8 +119,6 @@ class Transition:
     messages: tuple[tuple[int, ...], ...] = ()
     dtype: torch.dtype = torch.float32
     sources: tuple[fx.Node, ...] = ()  # SEQ_GRAD_BUCKET: every tensor it sums (src first)
-    # SEQ_REGATHER: the node whose SEQ_SCATTER's backward all-gather carries it (one call)
-    carrier: fx.Node | None = None
 
     @property
     def direction(self) -> str | None:

@@ -40,9 +40,7 @@ def render_text(plan, width: int = 100) -> str:
         lines.append(f"  {direction:8} {n:4} x {kind:14} {purpose:13} "
                      f"{per_tok:10.1f} elements/token  {human(nbytes[(direction, kind, purpose, per_tok)]):>11}")
     total = sum(c.bytes for c in plan.collectives)
-    calls = plan.calls()
-    in_calls = f" in {calls} calls" if calls != len(plan.collectives) else ""
-    lines.append(f"  total {len(plan.collectives)} collectives{in_calls}, {human(total)}")
+    lines.append(f"  total {len(plan.collectives)} collectives, {human(total)}")
     if plan.choices:
         lines += _choices(plan, width)
     if plan.sequence_parallel:

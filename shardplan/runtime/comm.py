@@ -74,31 +74,6 @@ class Group:
             return t.clone()
         return self._reduce_scatter(t.contiguous(), dim)
 
-    def all_gather_many(self, ts: list[torch.Tensor], dims: list[int], *,
-                        direction: str = "none", site: str | None = None) -> list[torch.Tensor]:
-        """``all_gather`` of each of ``ts`` along its dim in ``dims``, in one call: every
-        rank's tensors travel as one flat buffer of their bytes (dtypes may differ)."""
-        if torch.compiler.is_dynamo_compiling():
-            return [self.all_gather(t, d) for t, d in zip(ts, dims)]
-        self._log("all_gather", sum(t.numel() for t in ts) * self.size, None, direction, site,
-                  nbytes=sum(t.numel() * t.element_size() for t in ts) * self.size)
-        if self.size == 1:
-            return [t.clone() for t in ts]
-        starts, end = [], 0
-        for t in ts:  # each tensor's bytes start aligned for any dtype's view
-            end = -(-end // 16) * 16
-            starts.append(end)
-            end += t.numel() * t.element_size()
-        end = -(-end // 16) * 16
-        flat = ts[0].new_empty(end, dtype=torch.uint8)
-        for t, at in zip(ts, starts):
-            flat[at:at + t.numel() * t.element_size()].view(t.dtype).view(t.shape).copy_(t)
-        got = self._all_gather(flat, 0).view(self.size, end)  # [rank, bytes]
-        # rank r's part of each tensor, viewed in place, then laid out along its dim (one copy)
-        return [_unstack(got[:, at:at + t.numel() * t.element_size()].view(t.dtype)
-                         .unflatten(1, t.shape), d % t.dim())
-                for t, d, at in zip(ts, dims, starts)]
-
     def all_gather_start(self, t: torch.Tensor, dim: int, *,
                          direction: str = "none", site: str | None = None) -> Pending:
         """``all_gather``, running in the background where the backend can (gloo's worker
@@ -147,14 +122,13 @@ class Group:
     def __deepcopy__(self, memo):
         return self  # a group is a handle on ranks, never copied with a module
 
-    def _log(self, kind, elements, elsize, direction, site, op="sum", nbytes=None):
-        """Record the collective in the ledger (``nbytes``: its bytes, where its elements
-        differ in size); remember it for error messages."""
+    def _log(self, kind, elements, elsize, direction, site, op="sum"):
+        """Record the collective in the ledger; remember it for error messages."""
         _CURRENT.op = (kind, site)
         if ledger.recording():
             ledger.record(ledger.CommRecord(
                 kind=kind, group_size=self.size, elements=elements,
-                bytes=elements * elsize if nbytes is None else nbytes, direction=direction,
+                bytes=elements * elsize, direction=direction,
                 site=site or _caller(), op=op))
 
 

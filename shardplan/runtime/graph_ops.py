@@ -15,9 +15,9 @@ from .comm import Group
 from .layers import check_ids, vocab_lookup, vocab_range
 from .ledger import traced
 from .loss import vocab_parallel_cross_entropy
-from .mappings import (RegatherLink, copy_to_region, gather_from_sequence,
-                       linears_on_gathered_sequence, max_over_ranks, reduce_from_region,
-                       reduce_scatter_to_sequence, sum_gradients)
+from .mappings import (copy_to_region, gather_from_sequence, linears_on_gathered_sequence,
+                       max_over_ranks, reduce_from_region, reduce_scatter_to_sequence,
+                       sum_gradients)
 from .random import tracker_for
 from .region_random import DRAWS
 
@@ -57,18 +57,15 @@ class MaxOverRanks(nn.Module):
 
 class ScatterToSequence(nn.Module):
     """Sequence-parallel g: reduce-scatter along the sequence dim forward, all-gather
-    backward; a length tp does not divide is a ``ConfigurationError`` naming the fix.
-    ``shards`` and ``link``: the region's opening linears' sequence shards, gathered in
-    backward's call with the gradient and left in ``link`` for them."""
+    backward; a length tp does not divide is a ``ConfigurationError`` naming the fix."""
 
     def __init__(self, group: Group, dim: int, site: str):
         super().__init__()
         self.group, self.dim, self.site = group, dim, site
 
-    def forward(self, x, *shards, link=None):
+    def forward(self, x):
         check_sequence(x.shape[self.dim], self.group.size, self.site)
-        return reduce_scatter_to_sequence(x, self.group, dim=self.dim, site=self.site,
-                                          link=link, shards=shards)
+        return reduce_scatter_to_sequence(x, self.group, dim=self.dim, site=self.site)
 
 
 class GatherSequence(nn.Module):
@@ -86,29 +83,15 @@ class GatherSequence(nn.Module):
 class LinearsOnGatheredSequence(nn.Module):
     """The linears reading one sequence-parallel f's output: they keep the shard for
     backward, all-gathered again there once for all of them (a tuple of outputs). With
-    ``x=None`` they are the gather's only readers and gather it themselves. With a
-    ``link`` (``NewRegatherLink``'s, in ``slot``), the region's closing
-    ``ScatterToSequence`` gathers the shard for them, in its backward's call."""
+    ``x=None`` they are the gather's only readers and gather it themselves."""
 
     def __init__(self, group: Group, dim: int, site: str):
         super().__init__()
         self.group, self.dim, self.site = group, dim, site
 
-    def forward(self, x, shard, *weights_and_biases, link=None, slot=0):
+    def forward(self, x, shard, *weights_and_biases):
         return linears_on_gathered_sequence(x, shard, weights_and_biases, self.group,
-                                            dim=self.dim, site=self.site, link=link, slot=slot)
-
-
-class NewRegatherLink(nn.Module):
-    """A fresh ``RegatherLink`` with ``slots`` slots for each forward (None compiled:
-    the linears then re-gather their shards themselves)."""
-
-    def __init__(self, slots: int):
-        super().__init__()
-        self.slots = slots
-
-    def forward(self):
-        return None if torch.compiler.is_dynamo_compiling() else RegatherLink(self.slots)
+                                            dim=self.dim, site=self.site)
 
 
 class SumGradients(nn.Module):

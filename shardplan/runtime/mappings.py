@@ -15,8 +15,7 @@ each other's adjoint:
 
 ``linears_on_gathered_sequence`` runs the linears reading one all-gathered
 sequence, keeping only this rank's shard for backward and all-gathering it
-again there, once for all of them; a ``RegatherLink`` lets the region's
-``reduce_scatter_to_sequence`` carry that re-gather in its backward's call. ``sum_gradients`` is f for several tensors,
+again there, once for all of them. ``sum_gradients`` is f for several tensors,
 their gradients summed in one flat all-reduce (sequence parallelism's norm
 weights and biases).
 
@@ -110,54 +109,29 @@ class _GatherFromSequence(torch.autograd.Function):
                 None, None, None)
 
 
-class RegatherLink:
-    """A region's backward hand-off, made anew each forward: the region's closing
-    reduce-scatter all-gathers, with its output gradient and in the same call, the
-    sequence shards its opening linears keep, and leaves each gathered input in its slot
-    for those linears' backward (``take``), which then need no re-gather call of their
-    own. Only tensors pass through it, so no autograd node refers to another."""
-
-    __slots__ = ("gathered",)
-
-    def __init__(self, slots: int):
-        self.gathered: list = [None] * slots
-
-    def take(self, slot: int):
-        """The input gathered for ``slot`` (once), or None if it was not."""
-        x, self.gathered[slot] = self.gathered[slot], None
-        return x
-
-
 class _ReduceScatterToSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, dim, site, link, *shards):
-        ctx.group, ctx.dim, ctx.site, ctx.link = group, dim, site, link
-        ctx.save_for_backward(*shards)  # the same storage as the linears keep
+    def forward(ctx, x, group, dim, site):
+        ctx.group, ctx.dim, ctx.site = group, dim, site
         return group.reduce_scatter(x, dim, direction="forward", site=site)
 
     @staticmethod
     def backward(ctx, grad):
-        where = dict(direction="backward", site=ctx.site)
-        shards = ctx.saved_tensors
-        if not shards:
-            return (ctx.group.all_gather(grad, ctx.dim, **where), None, None, None, None)
-        grad, *ctx.link.gathered = ctx.group.all_gather_many(
-            [grad, *shards], [ctx.dim] * (1 + len(shards)), **where)
-        return (grad, None, None, None, None, *(None for _ in shards))
+        return (ctx.group.all_gather(grad, ctx.dim, direction="backward", site=ctx.site),
+                None, None, None)
 
 
-def _apply(fn, x: torch.Tensor, group, site: str | None, records, *args,
-           after=()) -> torch.Tensor:
-    """``fn.apply(x, group, *args, site, *after)``; compiled, first records ``fn``'s
-    collectives: ``(kind, direction, x is one rank's part)`` each."""
+def _apply(fn, x: torch.Tensor, group, site: str | None, records, *args) -> torch.Tensor:
+    """``fn.apply(x, group, *args, site)``; compiled, first records ``fn``'s collectives:
+    ``(kind, direction, x is one rank's part)`` each."""
     group = as_group(group)
     if not torch.compiler.is_dynamo_compiling():
-        return fn.apply(x, group, *args, _site(site), *after)
+        return fn.apply(x, group, *args, _site(site))
     site = site or "compiled"  # no frame walk in a traced graph
     for kind, direction, per_rank in records:
         if direction == "forward" or (x.requires_grad and torch.is_grad_enabled()):
             ledger.traced(x, kind, group.size, group.size if per_rank else 1, direction, site)
-    return fn.apply(x, group, *args, site, *after)
+    return fn.apply(x, group, *args, site)
 
 
 def copy_to_region(x: torch.Tensor, group, *, site: str | None = None) -> torch.Tensor:
@@ -203,27 +177,19 @@ def gather_from_sequence(x: torch.Tensor, group, *, dim: int = 0,
 
 
 def reduce_scatter_to_sequence(x: torch.Tensor, group, *, dim: int = 0,
-                               site: str | None = None, link: RegatherLink | None = None,
-                               shards: tuple = ()) -> torch.Tensor:
+                               site: str | None = None) -> torch.Tensor:
     """Sum over ranks and keep this rank's slice of the sequence dim ``dim``; backward
-    all-gathers. With a ``link``, backward's one all-gather also carries ``shards`` (the
-    sequence shards the region's opening linears keep, one per slot of ``link``) and
-    leaves them gathered in ``link`` for those linears (``linears_on_gathered_sequence``).
-    Compiled, the shards are not carried: the linears re-gather them."""
-    group = as_group(group)
-    if link is None or not shards or torch.compiler.is_dynamo_compiling():
-        return _apply(_ReduceScatterToSequence, x, group, site,
-                      (("reduce_scatter", "forward", False), ("all_gather", "backward", False)),
-                      dim, after=(None,))
-    return _ReduceScatterToSequence.apply(x, group, dim, _site(site), link, *shards)
+    all-gathers."""
+    return _apply(_ReduceScatterToSequence, x, group, site,
+                  (("reduce_scatter", "forward", False), ("all_gather", "backward", False)), dim)
 
 
 class _LinearsOnGatheredSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, shard, group, dim, site, link, slot, *weights_and_biases):
+    def forward(ctx, x, shard, group, dim, site, *weights_and_biases):
         pairs = list(zip(weights_and_biases[::2], weights_and_biases[1::2]))
         ctx.save_for_backward(shard, *(w for w, _ in pairs))
-        ctx.group, ctx.dim, ctx.site, ctx.link, ctx.slot = group, dim, site, link, slot
+        ctx.group, ctx.dim, ctx.site = group, dim, site
         ctx.biases = [b is not None for _, b in pairs]
         ctx.gathers = x is None
         if ctx.gathers:
@@ -234,19 +200,15 @@ class _LinearsOnGatheredSequence(torch.autograd.Function):
     def backward(ctx, *grads):
         shard, *weights = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        need_x, wb = needs[1] if ctx.gathers else needs[0], needs[7:]
+        need_x, wb = needs[1] if ctx.gathers else needs[0], needs[5:]
         need_w = any(wb[::2])
         where = dict(direction="backward", site=ctx.site)
-        # gathered already by the region's closing reduce-scatter, in its backward's call
-        x = ctx.link.take(ctx.slot) if ctx.link is not None and need_w else None
         # Megatron's overlap: the re-gather runs while the input's gradient is computed,
         # the input gradient's reduce-scatter while the weights' are
-        regather = ctx.group.all_gather_start(shard, ctx.dim, **where) \
-            if need_w and x is None else None
+        regather = ctx.group.all_gather_start(shard, ctx.dim, **where) if need_w else None
         # under autocast forward ran in the grads' dtype; autograd casts the results back
         grad_x = sum(g.matmul(w.to(g.dtype)) for g, w in zip(grads, weights)) if need_x else None
-        if need_w:
-            x = (x if regather is None else regather.wait()).reshape(-1, shard.shape[-1])
+        x = regather.wait().reshape(-1, shard.shape[-1]) if need_w else None
         scatter = (ctx.group.reduce_scatter_start(grad_x, ctx.dim, **where)
                    if ctx.gathers and need_x else None)
         out = []
@@ -255,13 +217,12 @@ class _LinearsOnGatheredSequence(torch.autograd.Function):
             out.append(g2.t().matmul(x.to(g.dtype)) if need_w else None)
             out.append(g2.sum(0) if need_b and bias else None)
         if ctx.gathers:
-            return (None, scatter and scatter.wait(), *[None] * 5, *out)
-        return (grad_x, *[None] * 6, *out)
+            return (None, scatter and scatter.wait(), None, None, None, *out)
+        return (grad_x, None, None, None, None, *out)
 
 
 def linears_on_gathered_sequence(x: torch.Tensor | None, shard: torch.Tensor, weights_and_biases,
-                                 group, *, dim: int, site: str | None = None,
-                                 link: RegatherLink | None = None, slot: int = 0) -> tuple:
+                                 group, *, dim: int, site: str | None = None) -> tuple:
     """``linear(x, w, b)`` for each ``(w, b)`` pair (``b`` may be None), where ``x`` is
     ``shard`` all-gathered along ``dim``: backward keeps ``shard`` (1/tp of the tokens)
     instead of ``x`` and all-gathers it once, when every output's gradient is ready, for
@@ -270,15 +231,9 @@ def linears_on_gathered_sequence(x: torch.Tensor | None, shard: torch.Tensor, we
     ``x=None``: the gather is done here (its only readers are these linears), and so is
     backward's reduce-scatter of ``x``'s gradient. Backward overlaps its collectives with
     its GEMMs as Megatron does: the re-gather runs while ``x``'s gradient is computed,
-    that gradient's reduce-scatter while the weights' are (``Group.all_gather_start``).
-
-    ``link``: the region's closing reduce-scatter carries ``shard`` in its backward
-    all-gather and leaves it gathered in ``link``'s ``slot``; there is then no re-gather
-    call here (where it did not, as compiled, the re-gather runs as above)."""
-    if torch.compiler.is_dynamo_compiling():
-        link = None
+    that gradient's reduce-scatter while the weights' are (``Group.all_gather_start``)."""
     return _LinearsOnGatheredSequence.apply(x, shard, as_group(group), dim, _site(site),
-                                            link, slot, *weights_and_biases)
+                                            *weights_and_biases)
 
 
 class _SumGradients(torch.autograd.Function):
