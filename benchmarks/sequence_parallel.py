@@ -146,7 +146,11 @@ def comm(sz: dict, tps) -> dict:
             # all-reduce), inside the block-less bucket; Megatron keeps the head vocab-parallel
             head_sum = (4 * math.prod(head.global_shape) * 2 * (tp - 1) / tp
                         if sp and head.layout == "R" else 0.0)
+            # the position embedding's output (s x h) is summed in the block-less bucket too
+            alone = any(k.startswith("seq_grad ") for k in wire)  # or in a sum of its own
+            pos_sum = 4 * sz["seq"] * sz["h"] * 2 * (tp - 1) / tp if sp and not alone else 0.0
             out[tp, sp] = dict(total=sum(by.values()), wire=sum(wire.values()), head_sum=head_sum,
+                               pos_sum=pos_sum,
                                n=sum(1 for c in p.collectives
                                      if getattr(c.purpose, "value", c.purpose) != "gather_output"),
                                by=dict(by), by_wire=dict(wire))
@@ -292,12 +296,12 @@ def _split_extra(s: dict) -> dict:
     """SP's sent bytes beyond plain's pairs, by who else pays them: re-gathers and the
     norms' and row biases' gradient sums (Megatron pays both), and ours alone: the
     replicated head's weight-gradient sum and the gathers before it (``seq_unshard``), the
-    position embedding's gradient sum (``seq_grad`` of an activation)."""
+    position embedding's gradient sum (in the bucket, or a ``seq_grad`` of its own)."""
     w = s["by_wire"]
     pick = lambda *pre: sum(v for k, v in w.items() if k.startswith(pre))  # noqa: E731
     return dict(regather=pick("seq_regather"),
-                megatron_sums=pick("seq_grad_bucket") - s["head_sum"],
-                ours=s["head_sum"] + pick("seq_unshard") + pick("seq_grad "))
+                megatron_sums=pick("seq_grad_bucket") - s["head_sum"] - s["pos_sum"],
+                ours=s["head_sum"] + s["pos_sum"] + pick("seq_unshard") + pick("seq_grad "))
 
 
 def _residual(s: dict, p: dict) -> float:
@@ -389,7 +393,8 @@ def main(argv=None) -> int:
         "embedding is replicated); under SP that head runs on this rank's tokens, so its V·h "
         "weight gradient is summed over the ranks, and its logits are gathered for the loss "
         "(`seq_unshard`); at the long-sequence size the head is vocab-parallel as in plain and "
-        "the only such term is the position embedding's s·h gradient sum (Megatron, with a "
+        "the only such term is the position embedding's s·h gradient sum, in the bucket's call "
+        "(Megatron, with a "
         "learned position embedding, all-reduces the word embedding instead, adds the "
         "positions on the whole sequence and then splits it: an all-reduce where we "
         "reduce-scatter, and no gradient sum). The gradient sums are fixed per model, so they "

@@ -78,13 +78,14 @@ def step(ctx, model, args, kwargs, captured, sequence_parallel=True, loss_of=Non
 
 
 def real_step(ctx, name, args):
-    """The bundled model ``name`` built on this rank, one sequence-parallel step."""
+    """The bundled model ``name`` built on this rank, one sequence-parallel step: (output,
+    loss, grads, layouts, (kind, direction, elements) of each collective)."""
     from shardplan.models import build
     from shardplan.planner.capture import capture
     torch.manual_seed(0)
     model = build(name).eval()
     r = step(ctx, model, args, {}, capture(model, args, {}))
-    return r[:4]
+    return (*r[:4], [(c.kind, c.direction, c.elements) for c in r[4]])
 
 
 def hf_real_steps(ctx, kinds, b, t):

@@ -101,10 +101,11 @@ def _assert_plan_shows_sequence(plan, layers):
 def test_gpt_ledger_counts():
     """Per layer 2 reduce-scatters and 2 all-gathers of b*s*h forward (and the same
     backward, plus an all-gather re-gathering each column linear's input), one more of
-    each for the embedding and the LM head; the gradient sums of the per-token
-    parameters in one flat all-reduce per step (each block's ln_1, ln_2 weight and bias
-    and two row biases: 6h; ln_f's weight and bias), and the position embedding's. With
-    recomputation the graph runs block by block: one flat all-reduce per block."""
+    each for the embedding and the LM head; the gradient sums of the per-token tensors
+    in one flat all-reduce per step: each block's ln_1, ln_2 weight and bias and two row
+    biases (6h), ln_f's weight and bias (2h) and the position embedding's output (T*h).
+    So 10L + 9 calls a step, the loss's three all-reduces included. With recomputation
+    the graph runs block by block: one flat all-reduce per block."""
     model, args = _bundled("gpt-tiny")
     cfg, tp = model.config, 2
     L, h = cfg.n_layer, cfg.n_embd
@@ -119,21 +120,23 @@ def test_gpt_ledger_counts():
         assert bwd.count(("all_gather", full)) == 2 * (2 * L + 1)  # and the linears' inputs
         assert bwd.count(("reduce_scatter", full)) == 2 * L + 1
         sums = sorted(n for k, n in bwd if k == "all_reduce")
-        assert sums == sorted([6 * h * L + 2 * h, T * h])  # the blocks' and ln_f's, wpe's
+        assert sums == [6 * h * L + 2 * h + T * h]
+        assert len(records) == 10 * L + 9 + 1  # and the logits' gather (gather_output)
     plan = results[0][5]
     assert plan.count(purpose="seq_scatter", direction="forward") == 2 * L + 1
-    assert plan.count(purpose="seq_grad") == 1  # wpe's output
+    assert not plan.count(purpose="seq_grad")  # wpe's output is in the bucket
     buckets = [c for c in plan.collectives if c.purpose == "seq_grad_bucket"]
-    assert [c.elements for c in buckets] == [6 * h * L + 2 * h]
+    assert [c.elements for c in buckets] == [6 * h * L + 2 * h + T * h]
     assert plan.count(purpose="seq_regather", kind="all_gather", direction="backward") == 2 * L + 1
+    assert len(plan.collectives) - plan.count(purpose="gather_output") == 10 * L + 9
     recomputed = SimulatedRanks(tp).run(step, model, args, {}, capture(model, args, {}), True,
                                         None, True)
     for records in (r[4] for r in recomputed):
         sums = sorted(r.elements for r in records
                       if r.kind == "all_reduce" and r.direction == "backward")
-        assert sums == sorted([6 * h] * L + [2 * h, T * h])
+        assert sums == sorted([6 * h] * L + [2 * h + T * h])
     buckets = [c for c in recomputed[0][5].collectives if c.purpose == "seq_grad_bucket"]
-    assert sorted(c.elements for c in buckets) == sorted([6 * h] * L + [2 * h])
+    assert sorted(c.elements for c in buckets) == sorted([6 * h] * L + [2 * h + T * h])
 
 
 def test_saved_activations_hold_only_tokens():
@@ -235,7 +238,8 @@ def _assert_conv1d_on_tokens(results, cfg):
 
 def test_plan_bucket_counts_every_stamped_block():
     """``plan()`` captures five identical blocks as three and stamps them: its one bucket
-    per step sums every block's 6h per-token parameters and ln_f's 2h."""
+    per step sums every block's 6h per-token parameters, ln_f's 2h and the position
+    embedding's T*h."""
     import shardplan
     torch.manual_seed(0)
     L = 5
@@ -244,7 +248,7 @@ def test_plan_bucket_counts_every_stamped_block():
     idx = torch.zeros(B, T, dtype=torch.long)
     p = shardplan.plan(model, 2, example_inputs=(idx, idx), sequence_parallel=True)
     assert [c.elements for c in p.collectives
-            if c.purpose == "seq_grad_bucket"] == [6 * h * L + 2 * h]
+            if c.purpose == "seq_grad_bucket"] == [6 * h * L + 2 * h + T * h]
 
 
 def _assert_llama_ledger(results, cfg):
@@ -274,8 +278,21 @@ def _assert_llama_ledger(results, cfg):
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])
 def test_real_gloo(real_ranks, name):
+    """Two gloo processes: outputs, loss and gradients equal the unsharded model's on
+    every rank; each rank sums its per-token gradients in one flat all-reduce (GPT: the
+    position embedding's output with the norms' and row biases' parameters)."""
     model, args = _bundled(name)
-    _assert_equal(real_ranks(2).run(real_step, name, args), model, args)
+    results = real_ranks(2).run(real_step, name, args)
+    _assert_equal(results, model, args)
+    cfg = model.config
+    if name == "gpt-tiny":
+        L, h = cfg.n_layer, cfg.n_embd
+        want = [6 * h * L + 2 * h + T * h]
+    else:  # attention and MLP norms' weights, and the final norm's
+        L, h = cfg.n_layers, cfg.dim
+        want = [2 * h * L + h]
+    for r in results:
+        assert [n for k, d, n in r[4] if k == "all_reduce" and d == "backward"] == want
 
 
 @pytest.mark.real

@@ -826,14 +826,18 @@ def _bucket_grad_sums(ts: list[Transition], per_block: bool = True) -> list[Tran
     per norm weight, norm bias and row bias. A block's bucket stays in the block, so
     recomputation and FSDP see it there. ``per_block=False``: every parameter's
     ``SEQ_GRAD`` and bucket of one dtype in one bucket, summed once the last gradient
-    is ready."""
+    is ready. An activation's ``SEQ_GRAD`` (a position embedding's output) joins its
+    block's bucket where it is made before the bucket's first reader."""
     groups: dict = {}
     for i, t in enumerate(ts):
-        if t.purpose is Purpose.SEQ_GRAD_BUCKET or (t.purpose is Purpose.SEQ_GRAD
-                                                    and t.src.op == "get_attr"):
-            block = block_of(t.src.target) if per_block else ()
+        if t.purpose in (Purpose.SEQ_GRAD_BUCKET, Purpose.SEQ_GRAD):
+            block = _block_of_value(t.src) if per_block else ()
             if all(block_of(module_of(c)) == block for c, _ in t.consumers) or not per_block:
                 groups.setdefault((block, t.dtype), []).append(i)
+    for key, idx in groups.items():  # the bucket runs before its first reader
+        first = min(c for i in idx for c, _ in ts[i].consumers)
+        groups[key] = [i for i in idx if all(v.op == "get_attr" or v < first
+                                              for v in ts[i].sources or (ts[i].src,))]
     first, dropped = {}, set()
     for idx in groups.values():
         if len(idx) < 2:
@@ -846,6 +850,11 @@ def _bucket_grad_sums(ts: list[Transition], per_block: bool = True) -> list[Tran
             sources=sum((m.sources or (m.src,) for m in members), ()))
         dropped.update(idx[1:])
     return [first.get(i, t) for i, t in enumerate(ts) if i not in dropped]
+
+
+def _block_of_value(node: fx.Node) -> tuple:
+    """The block of a parameter (by its name) or of an activation (by its module)."""
+    return block_of(node.target if node.op == "get_attr" else module_of(node))
 
 
 def block_of(name: str) -> tuple:

@@ -382,10 +382,11 @@ class _Stamp:
     def bucket(self, t: Transition) -> Transition:
         """``t``; a gradient bucket of several blocks (one per step) summing every block's
         members: a captured block's count once per block it stands for."""
-        if t.purpose is not Purpose.SEQ_GRAD_BUCKET or len({block_of(s.target)
+        name = lambda s: s.target if s.op == "get_attr" else module_of(s)  # noqa: E731
+        if t.purpose is not Purpose.SEQ_GRAD_BUCKET or len({block_of(name(s))
                                                             for s in t.sources}) < 2:
             return t
-        n = sum(math.prod(message(s)) * len(self._names(s.target)) for s in t.sources)
+        n = sum(math.prod(message(s)) * len(self._names(name(s))) for s in t.sources)
         return replace(t, messages=((n,),))
 
     def entries(self, items: list) -> list:

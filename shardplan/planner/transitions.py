@@ -34,7 +34,7 @@ sequence: its gradient is whole on every rank). ``SEQ_GRAD`` is ``F``'s collecti
 sequence-sharded ops (a norm's weight, a position embedding): each rank's
 gradient covers only its tokens, so it is summed over the ranks, once.
 ``SEQ_GRAD_BUCKET`` is the ``SEQ_GRAD``s of the parameters (norms' weights and
-biases, row biases) in one flat all-reduce, run when the last of their
+biases, row biases) and of a position embedding's output in one flat all-reduce, run when the last of their
 gradients is ready (Megatron buckets them too): one per step, or one per block
 where recomputation or FSDP run the graph block by block; ``sources`` are the
 parameters, ``messages`` one flat buffer. ``SEQ_REGATHER``: the linears
