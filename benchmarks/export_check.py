@@ -50,13 +50,14 @@ def prepare(model, plan, inputs: dict, folder: Path, class_name: str,
     Returns ``{target: "refused: ..." | "crash: ..." | "exported"}``.
     """
     from shardplan.errors import LayoutError
-    from shardplan.report.export import to_dtensor_plan, to_hf_tp_plan
+    from shardplan.report.export import ModelCode, to_dtensor_plan, to_hf_tp_plan
 
     outcome, exported = {}, {}
+    code = ModelCode(model, inputs)  # the model's code captured once for both targets
     for target in targets:
         fn = to_hf_tp_plan if target == "hf" else to_dtensor_plan
         try:
-            exported[target] = fn(plan, model=model, example_inputs=inputs)
+            exported[target] = fn(plan, model=model, example_inputs=inputs, code=code)
             outcome[target] = "exported"
         except LayoutError as e:
             outcome[target] = "refused: " + refusal(e)

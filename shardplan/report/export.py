@@ -81,7 +81,7 @@ from ..errors import LayoutError
 from ..layouts import Placement, Replicate, Shard
 from ..planner import blocks
 
-__all__ = ["to_dtensor_plan", "to_hf_tp_plan", "export_issues", "ExportIssue",
+__all__ = ["to_dtensor_plan", "to_hf_tp_plan", "export_issues", "ExportIssue", "ModelCode",
            "parallelize_with_dtensor", "tie_again"]
 
 
@@ -356,60 +356,103 @@ _LOCAL_OUT = {"column", "packed_column"}
 _LOCAL_IN = {"row", "packed_row", "experts"}
 
 
-def _runtime_issues(plan, mods, model, example_inputs, target: str) -> list[ExportIssue]:
+class ModelCode:
+    """The model's own code as the runtimes run it, captured on ``meta``: once as it is,
+    and once per set of local weight shapes the exported styles hand it.
+
+    Both exports of one plan read the same captures: pass one ``ModelCode(model,
+    example_inputs)`` as ``code=`` to ``to_hf_tp_plan`` and ``to_dtensor_plan`` (each
+    makes its own otherwise). The model must not change in between.
+    """
+
+    def __init__(self, model, example_inputs=None):
+        self.model, self.example_inputs = model, example_inputs
+        self._meta = self._whole = None
+        self._annotations: dict = {}
+        self._cuts: dict = {}
+
+    def _setup(self) -> None:
+        from ..planner.capture import capture
+        from ..planner.inputs import example_args
+
+        if self._meta is None:
+            self._meta = copy.deepcopy(self.model).to("meta")
+            args, kwargs = example_args(self._meta, self.example_inputs)
+            self._args, self._kwargs = _to_meta(args), _to_meta(kwargs)
+            self._whole = capture(self._meta, self._args, self._kwargs, truncate=True)
+
+    @property
+    def meta(self):
+        """The model's copy on ``meta`` (with its own weights)."""
+        self._setup()
+        return self._meta
+
+    def whole(self, plan):
+        """The capture as it is, annotated like ``plan`` (its baseline: a plan with a
+        distributed reduction is refused before this is read)."""
+        from ..planner.annotate import annotate
+        from ..planner.rules import load_rules
+
+        self._setup()
+        key = (plan.tp, plan.rules)
+        if key not in self._annotations:
+            self._annotations[key] = annotate(self._whole.gm, plan.tp, load_rules(plan.rules), distribute=False)
+        return self._whole, self._annotations[key]
+
+    def cut(self, shapes: dict):
+        """The capture with each ``(module, parameter)`` of ``shapes`` at that local shape;
+        the exception the model's code raises on them instead, if it does."""
+        from ..planner.capture import capture
+
+        self._setup()
+        key = tuple(sorted(shapes.items()))
+        if key not in self._cuts:
+            saved = []
+            for (path, attr), local in shapes.items():
+                owner = self._meta.get_submodule(path)
+                saved.append((owner, attr, getattr(owner, attr)))
+                setattr(owner, attr, torch.nn.Parameter(torch.empty(local, device="meta")))
+            try:
+                self._cuts[key] = capture(self._meta, self._args, self._kwargs, truncate=True)
+            except Exception as e:  # noqa: BLE001 - the model's own code refused the local shapes
+                self._cuts[key] = e
+            finally:
+                for owner, attr, param in reversed(saved):
+                    setattr(owner, attr, param)
+        return self._cuts[key]
+
+
+def _runtime_issues(plan, mods, code: ModelCode, target: str) -> list[ExportIssue]:
     """Where the model's own code goes wrong when the exported modules hand it local tensors
     (first settling which column layers export gathered, ``_gather_heads``, and which
     replicated parameters need their gradient summed, ``_grad_sums``).
 
     Both targets (HF's styles, DTensor's with ``use_local_output``) give the code
     between a column and a row layer this rank's slice, and change nothing else:
-    no head count, no view size. So the model is captured twice on ``meta``: as
-    it is, annotated like the plan, and with the styled layers' weights cut to
-    their local shapes. Op by op, the second capture must make the plan's shard
-    of each tensor (or the whole tensor: computed redundantly, still right);
-    a size the model computes from a constant such as ``self.num_heads`` shows
-    up as the first op where it does not.
+    no head count, no view size. So the model is captured twice on ``meta``
+    (``ModelCode``): as it is, annotated like the plan, and with the styled layers'
+    weights cut to their local shapes. Op by op, the second capture must make the
+    plan's shard of each tensor (or the whole tensor: computed redundantly, still
+    right); a size the model computes from a constant such as ``self.num_heads``
+    shows up as the first op where it does not.
     """
     from ..layouts import Shard as _Shard
-    from ..planner.annotate import annotate
-    from ..planner.capture import capture, module_of, source_of
+    from ..planner.capture import module_of, source_of
     from ..planner.graph import hint, shape
-    from ..planner.inputs import example_args
     from ..planner.kinds.permute import viewed_parameter
-    from ..planner.rules import load_rules
     from ..planner.shards import local_shape
 
     tp = plan.tp
-    meta = copy.deepcopy(model).to("meta")
-    args, kwargs = example_args(meta, example_inputs)
-    args, kwargs = _to_meta(args), _to_meta(kwargs)
-    whole = capture(meta, args, kwargs, truncate=True)
-    # the baseline, as it is: a plan with a distributed reduction is refused before this
-    ann = annotate(whole.gm, tp, load_rules(plan.rules), distribute=False)
+    whole, ann = code.whole(plan)
     _gather_heads(ann, mods)
-    problems = _grad_sums(ann, mods, meta, target) or _written_in_place(whole.gm, mods)
+    problems = _grad_sums(ann, mods, code.meta, target) or _written_in_place(whole.gm, mods)
     if problems:
         return problems
-    for m in mods.values():
-        if m.style not in _LOCAL_OUT | _LOCAL_IN:
-            continue
-        owner = meta.get_submodule(m.path)
-        for attr, p in m.params.items():
-            local = local_shape(tuple(p.global_shape), Placement.parse(p.layout), tp)
-            setattr(owner, attr, torch.nn.Parameter(torch.empty(local, device="meta")))
-    try:
-        cut = capture(meta, args, kwargs, truncate=True)
-    except Exception as e:  # noqa: BLE001 - the model's own code refused the local shapes
-        crash = str(e).splitlines()[0] + (f" at {e.source}" if getattr(e, "source", None) else "")
-        lines: dict[str, list[str]] = {}
-        for line, module in _resized(whole.gm, ann, tp).items():
-            lines.setdefault(blocks.pattern(module), []).append(line)
-        return [ExportIssue(module, "-", "shardplan divides a size by tp here that the model's code "
-                            f"computes from a constant ({'; '.join(found)}); on the local tensors these "
-                            f"styles hand it, the model's code fails: {crash}")
-                for module, found in lines.items()] or \
-            [ExportIssue(getattr(e, "where", "(model)"), "-", "the model's own code fails on the local "
-                         f"tensors these styles hand it: {crash}")]
+    cut = code.cut({(m.path, attr): local_shape(tuple(p.global_shape), Placement.parse(p.layout), tp)
+                    for m in mods.values() if m.style in _LOCAL_OUT | _LOCAL_IN
+                    for attr, p in m.params.items()})
+    if isinstance(cut, Exception):
+        return _crash_issues(cut, whole.gm, ann, mods, tp)
 
     ops = [n for n in whole.gm.graph.nodes if n.op == "call_function"]
     local_ops = [n for n in cut.gm.graph.nodes if n.op == "call_function"]
@@ -430,6 +473,39 @@ def _runtime_issues(plan, mods, model, example_inputs, target: str) -> list[Expo
                                 f"this rank's part is {list(want)}, at {where}: a size the code "
                                 "computes from a constant (a head count?) that the plan divides by tp")]
     return []
+
+
+def _crash_issues(e: Exception, gm, ann, mods, tp: int) -> list[ExportIssue]:
+    """Why the model's code fails on the local tensors: the sizes shardplan divides by tp
+    that the code computes from a constant (on tensors the export leaves local), else the
+    whole tensors the plan reads as this rank's part (T5's position bias: shardplan slices
+    it, no style does)."""
+    from ..planner.capture import module_of, source_of
+    from ..planner.transitions import Purpose
+
+    at = getattr(e, "source", None)
+    crash = str(e).splitlines()[0] + (f" at {at}" if at else "")
+    lines: dict[str, list[str]] = {}
+    for line, module in _resized(gm, ann, tp, mods).items():
+        lines.setdefault(blocks.pattern(module), []).append(line)
+    if lines:
+        return [ExportIssue(module, "-", "shardplan divides a size by tp here that the model's code "
+                            f"computes from a constant ({'; '.join(found)}); on the local tensors these "
+                            f"styles hand it, the model's code fails: {crash}")
+                for module, found in lines.items()]
+    split: dict[str, list[str]] = {}  # whole tensors the plan slices, by reading module
+    for t in ann.transitions:
+        if t.purpose is Purpose.SPLIT:
+            for node, _ in t.consumers:
+                made = f"made at {source_of(t.src) or t.src.name}, read at {source_of(node) or node.name}"
+                split.setdefault(blocks.pattern(module_of(node)), []).append(made)
+    if not split:
+        return [ExportIssue(getattr(e, "where", None) or "(model)", "-", "the model's own code fails on "
+                            f"the local tensors these styles hand it: {crash}")]
+    return [ExportIssue(module, "R", "the plan reads a whole tensor as this rank's part here, keeping its "
+                        f"slice ({'; '.join(dict.fromkeys(found))}); no style slices it, so the model's "
+                        f"code meets the whole tensor beside its local ones and fails: {crash}")
+            for module, found in split.items()]
 
 
 def _gather_heads(ann, mods) -> None:
@@ -531,8 +607,9 @@ def _written_in_place(gm, mods) -> list[ExportIssue]:
     return []
 
 
-def _resized(gm, ann, tp: int) -> dict[str, str]:
-    """Source line -> module, for each size argument shardplan's rewrite divides by tp."""
+def _resized(gm, ann, tp: int, mods) -> dict[str, str]:
+    """Source line -> module, for each size argument shardplan's rewrite divides by tp, on
+    a tensor the export leaves local (not an LM head's logits, which it gathers)."""
     from ..planner.annotate import read_as
     from ..planner.capture import module_of, source_of
     from ..planner.graph import args_of, op_name
@@ -544,13 +621,25 @@ def _resized(gm, ann, tp: int) -> dict[str, str]:
         if kind is None or not node.args or not isinstance(node.args[0], type(node)):
             continue
         src = read_as(ann.layouts.get(node.args[0]))
-        if not isinstance(src, Shard):
+        if not isinstance(src, Shard) or _gathered_by_export(node.args[0], ann, mods):
             continue
         old = args_of(node)
         local = KINDS[kind].local_args(node, src, ann.layouts.get(node), tp, lambda s, by: f"{s}//{by}")
         if any(v != old.get(k) for k, v in local.items()):
             found.setdefault(source_of(node) or node.name, module_of(node))
     return found
+
+
+def _gathered_by_export(node, ann, mods) -> bool:
+    """Whether ``node``'s split value comes unchanged from a column layer the export gathers."""
+    from ..planner.capture import module_of
+
+    while isinstance(node, torch.fx.Node) and isinstance(ann.layouts.get(node), Shard):
+        m = mods.get(module_of(node))
+        if m is not None:
+            return m.style == "column_gather"
+        node = next((a for a in node.args if isinstance(a, torch.fx.Node)), None)
+    return False
 
 
 def _to_meta(x):
@@ -563,7 +652,8 @@ def _to_meta(x):
     return x
 
 
-def export_issues(plan, target: str = "dtensor", model=None, *, example_inputs=None) -> list[ExportIssue]:
+def export_issues(plan, target: str = "dtensor", model=None, *, example_inputs=None,
+                  code: ModelCode | None = None) -> list[ExportIssue]:
     """What cannot be exported (``fatal``) and what exports with a difference (notes).
 
     With ``model``, also where the model's own code would compute wrong sizes on the
@@ -573,7 +663,7 @@ def export_issues(plan, target: str = "dtensor", model=None, *, example_inputs=N
         raise ValueError(f"target must be 'dtensor' or 'hf', not {target!r}")
     mods, issues = _analyse(plan, target, model)
     if model is not None and not any(i.fatal for i in issues):
-        issues += _runtime_issues(plan, mods, model, example_inputs, target)
+        issues += _runtime_issues(plan, mods, code or ModelCode(model, example_inputs), target)
     return issues
 
 
@@ -597,7 +687,8 @@ def _raise(issues: list[ExportIssue], target: str) -> None:
             "split dim read from the tensor or written -1 (view(B, T, -1, head_dim)), not a head count")
 
 
-def to_dtensor_plan(plan, *, model, local_output: bool = True, example_inputs=None) -> dict:
+def to_dtensor_plan(plan, *, model, local_output: bool = True, example_inputs=None,
+                    code: ModelCode | None = None) -> dict:
     """``{module FQN: ParallelStyle}`` for ``parallelize_module(model, mesh, ...)``.
 
     ``local_output=True`` (the default, as in torchtitan) hands plain local tensors
@@ -611,8 +702,8 @@ def to_dtensor_plan(plan, *, model, local_output: bool = True, example_inputs=No
     ``implicit_replication()``).
 
     Every styled module must be an ``nn.Linear`` (``nn.Embedding`` for the
-    vocabulary). Raises ``LayoutError`` for layouts with no DTensor style (see
-    ``export_issues``).
+    vocabulary). ``code``: a ``ModelCode`` of ``model`` shared with the other export.
+    Raises ``LayoutError`` for layouts with no DTensor style (see ``export_issues``).
     """
     from torch.distributed.tensor import Replicate as DReplicate
     from torch.distributed.tensor import Shard as DShard
@@ -621,7 +712,7 @@ def to_dtensor_plan(plan, *, model, local_output: bool = True, example_inputs=No
     _need(model)
     mods, issues = _analyse(plan, "dtensor", model)
     if local_output and not any(i.fatal for i in issues):
-        issues += _runtime_issues(plan, mods, model, example_inputs, "dtensor")
+        issues += _runtime_issues(plan, mods, code or ModelCode(model, example_inputs), "dtensor")
     _raise(issues, "dtensor")
     if getattr(plan, "sequence_parallel", False):
         return _sp_styles(plan, mods, model, local_output, DReplicate, DShard, ColwiseParallel,
@@ -684,7 +775,8 @@ _HF_STYLE = {"column": "colwise", "column_gather": "colwise_gather_output", "row
              "grad_allreduce": "replicated_with_grad_allreduce"}
 
 
-def to_hf_tp_plan(plan, *, model, prefix: str | None = None, example_inputs=None) -> dict[str, str]:
+def to_hf_tp_plan(plan, *, model, prefix: str | None = None, example_inputs=None,
+                  code: ModelCode | None = None) -> dict[str, str]:
     """Hugging Face ``tp_plan`` strings keyed by module path, ``*`` for block indices.
 
     Keys are relative to the model the plan was made for (compare with an HF
@@ -701,12 +793,13 @@ def to_hf_tp_plan(plan, *, model, prefix: str | None = None, example_inputs=None
     (no head count is divided, a ``-1`` in a view is what adapts): ``model`` is
     captured on meta as HF would run it, and the export is refused
     (``LayoutError`` naming the module and source line) where a size would come
-    out wrong, e.g. OPT's ``view(bsz, -1, self.num_heads, self.head_dim)``.
+    out wrong, e.g. OPT's ``view(bsz, -1, self.num_heads, self.head_dim)``. ``code``:
+    a ``ModelCode`` of ``model`` shared with the other export.
     """
     _need(model)
     mods, issues = _analyse(plan, "hf", model)
     if not any(i.fatal for i in issues):
-        issues += _runtime_issues(plan, mods, model, example_inputs, "hf")
+        issues += _runtime_issues(plan, mods, code or ModelCode(model, example_inputs), "hf")
     _raise(issues, "hf")
     styles = {}
     for m in mods.values():
