@@ -286,14 +286,15 @@ EQUAL = "runs equal"
 BLOCKED = "blocked shard"  # a fused QKV / gate-up (DTensor: any blocks; HF: more than two)
 CONSTANT = "divides a size by tp here that the model's code computes from a constant"
 EXPERTS = "experts' 3-D weights"
-QK_NORM = "replicated weight read on this rank's part"
+QK_NORM = "read on this rank's part at"  # a q/k norm's partial gradient: DTensor cannot sum it
+GROUPED = "held by a group of"  # a fused multi-query QKV: K/V parts held by pairs of ranks
 DISTRIBUTED = "a reduction over the split dim run distributed"
 TIED = "no style places it here"
 SURVEY_EXPORTS = {
     "gpt2": ("Conv1D", "Conv1D"),
     "gptj": (EQUAL, EQUAL), "gpt_neox": (EQUAL, EQUAL),
     "opt": (CONSTANT, CONSTANT), "bloom": (CONSTANT, CONSTANT),
-    "falcon": (BLOCKED, BLOCKED),
+    "falcon": (GROUPED, GROUPED),
     "llama": (EQUAL, EQUAL), "mistral": (EQUAL, EQUAL), "mixtral": (EQUAL, EXPERTS),
     "qwen2": (EQUAL, EQUAL), "qwen2_moe": (EQUAL, EXPERTS), "gemma": (EQUAL, EQUAL),
     "gemma2": (EQUAL, EQUAL), "phi": (EQUAL, EQUAL), "phi3": (BLOCKED, BLOCKED),
@@ -301,8 +302,8 @@ SURVEY_EXPORTS = {
     "helium": (EQUAL, EQUAL), "olmo": (EQUAL, EQUAL), "olmo2": (DISTRIBUTED, DISTRIBUTED),
     "bert": (TIED, TIED), "roberta": (TIED, TIED),
     "t5": ("the plan reads a whole tensor as this rank's part", "the plan reads a whole tensor"),
-    "bart": (EQUAL, EQUAL), "gpt_bigcode": (BLOCKED, BLOCKED), "codegen": (EQUAL, EQUAL),
-    "persimmon": (CONSTANT, CONSTANT), "mpt": (BLOCKED, BLOCKED), "qwen3": (EQUAL, QK_NORM),
+    "bart": (EQUAL, EQUAL), "gpt_bigcode": (GROUPED, GROUPED), "codegen": (EQUAL, EQUAL),
+    "persimmon": (CONSTANT, QK_NORM), "mpt": (BLOCKED, BLOCKED), "qwen3": (EQUAL, QK_NORM),
     "deepseek_v3": ("no exported module owns it", EXPERTS), "dbrx": (BLOCKED, BLOCKED),
     "gemma3_text": (EQUAL, QK_NORM), "deberta-v2": (TIED, TIED), "mamba": (BLOCKED, BLOCKED),
     "xglm": (CONSTANT, CONSTANT), "gpt_neo": (CONSTANT, CONSTANT), "qwen3_moe": (EQUAL, EXPERTS),

@@ -12,10 +12,11 @@ from __future__ import annotations
 import inspect
 from dataclasses import replace
 import math
+import weakref
 
 import torch
 import torch.nn as nn
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, PrivateAttr
 
 from . import blocks
 from .capture import Captured, capture, has_repeated_blocks, module_of, source_of
@@ -108,6 +109,15 @@ class Plan(BaseModel):
     choices: list[ChoiceEntry] = Field(
         default=[], description="regions reaching a reduction over their split dim: run it "
                                 "distributed or keep the region replicated, the cheaper kept")
+    # (model, args, kwargs, Captured) planned from: the exports' check of the model's own
+    # code reads this capture instead of making it again (``report.export.ModelCode``);
+    # never serialized, and dropped when pickled
+    _captured: tuple | None = PrivateAttr(default=None)
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        return {**state, "__pydantic_private__": {**(state.get("__pydantic_private__") or {}),
+                                                  "_captured": None}}
 
     def count(self, **match) -> int:
         return sum(1 for c in self.collectives
@@ -181,6 +191,7 @@ def plan(model: nn.Module, tp: int, *, example_inputs=None, rules="megatron",
     ann = annotate(captured.gm, tp, ruleset, strict=strict, sequence_parallel=sequence_parallel,
                    cut_blocks=bool(recompute or fsdp))
     p = build_plan(model, captured, ann, ruleset, args, kwargs)
+    p._captured = (weakref.ref(model), args, kwargs, captured)
     if batch is not None or dp > 1 or fsdp or recompute or gpu_memory is not None:
         p.memory.training = estimate(
             p, model, captured, ann, args, kwargs, dtype=dtype, dp=dp, fsdp=fsdp,

@@ -362,38 +362,43 @@ class ModelCode:
 
     Both exports of one plan read the same captures: pass one ``ModelCode(model,
     example_inputs)`` as ``code=`` to ``to_hf_tp_plan`` and ``to_dtensor_plan`` (each
-    makes its own otherwise). The model must not change in between.
+    makes its own otherwise). The capture as it is is the plan's own where the plan
+    was made from this model and inputs of these shapes. The model must not change
+    in between.
     """
 
     def __init__(self, model, example_inputs=None):
         self.model, self.example_inputs = model, example_inputs
         self._meta = self._whole = None
+        self._truncate = True
         self._annotations: dict = {}
         self._cuts: dict = {}
 
-    def _setup(self) -> None:
-        from ..planner.capture import capture
+    @property
+    def meta(self):
+        """The model's copy on ``meta`` (with its own weights)."""
         from ..planner.inputs import example_args
 
         if self._meta is None:
             self._meta = copy.deepcopy(self.model).to("meta")
             args, kwargs = example_args(self._meta, self.example_inputs)
             self._args, self._kwargs = _to_meta(args), _to_meta(kwargs)
-            self._whole = capture(self._meta, self._args, self._kwargs, truncate=True)
-
-    @property
-    def meta(self):
-        """The model's copy on ``meta`` (with its own weights)."""
-        self._setup()
         return self._meta
 
     def whole(self, plan):
         """The capture as it is, annotated like ``plan`` (its baseline: a plan with a
         distributed reduction is refused before this is read)."""
         from ..planner.annotate import annotate
+        from ..planner.capture import capture
         from ..planner.rules import load_rules
 
-        self._setup()
+        meta = self.meta
+        if self._whole is None:
+            model, args, kwargs, captured = plan._captured or (lambda: None, None, None, None)
+            if model() is self.model and _same_shapes((args, kwargs), (self._args, self._kwargs)):
+                self._whole, self._truncate = captured, bool(captured.truncated)
+            else:
+                self._whole = capture(meta, self._args, self._kwargs, truncate=True)
         key = (plan.tp, plan.rules)
         if key not in self._annotations:
             self._annotations[key] = annotate(self._whole.gm, plan.tp, load_rules(plan.rules), distribute=False)
@@ -404,22 +409,31 @@ class ModelCode:
         the exception the model's code raises on them instead, if it does."""
         from ..planner.capture import capture
 
-        self._setup()
         key = tuple(sorted(shapes.items()))
         if key not in self._cuts:
             saved = []
             for (path, attr), local in shapes.items():
-                owner = self._meta.get_submodule(path)
+                owner = self.meta.get_submodule(path)
                 saved.append((owner, attr, getattr(owner, attr)))
                 setattr(owner, attr, torch.nn.Parameter(torch.empty(local, device="meta")))
             try:
-                self._cuts[key] = capture(self._meta, self._args, self._kwargs, truncate=True)
+                self._cuts[key] = capture(self.meta, self._args, self._kwargs, truncate=self._truncate)
             except Exception as e:  # noqa: BLE001 - the model's own code refused the local shapes
                 self._cuts[key] = e
             finally:
                 for owner, attr, param in reversed(saved):
                     setattr(owner, attr, param)
         return self._cuts[key]
+
+
+def _same_shapes(a, b) -> bool:
+    """Whether two ``(args, kwargs)`` hold the same structure, tensor shapes and dtypes, and
+    other values."""
+    import torch.utils._pytree as pytree
+
+    (la, sa), (lb, sb) = pytree.tree_flatten(a), pytree.tree_flatten(b)
+    key = lambda x: (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x  # noqa: E731
+    return sa == sb and all(type(x) is type(y) and key(x) == key(y) for x, y in zip(la, lb))
 
 
 def _runtime_issues(plan, mods, code: ModelCode, target: str) -> list[ExportIssue]:
