@@ -213,7 +213,7 @@ def test_hf_plan_for_the_bundled_llama_names_its_head_count_views():
 def test_hf_exports_that_would_run_wrong_are_refused_naming_the_line():
     """OPT views by its head count, OLMo2 norms q/k over every head, GPT-2's Conv1D stores (in, out):
     no tp_plan spells those plans (the runtime checks of the exported ones are in
-    test_every_survey_family_exports_an_hf_tp_plan_that_runs_equal_or_is_refused)."""
+    test_survey_family_exports_run_equal_or_are_refused_as_recorded)."""
     for family, line in (("opt", "modeling_opt.py:154: query_states = query_states.view(bsz, -1, self.num_heads"),
                          ("olmo2", "modeling_olmo2.py"), ("gpt2", "Conv1D")):
         model = _hf(family, "meta")
