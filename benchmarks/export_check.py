@@ -8,7 +8,7 @@ and the unsharded model's own results (logits; loss and every gradient of one
 backward). ``run_all`` then executes every prepared export on one pool of 2
 real gloo ranks (one spawn for all families and both runtimes);
 ``run_families`` does all of it on the pool, each rank building, planning and
-exporting every other family, two at a time:
+exporting every other family, a few at a time:
 
 - HF: ``from_pretrained(folder, distributed_config=DistributedConfig(tp_plan=plan,
   tp_size=2))``, logits under ``no_grad`` (HF's
@@ -214,11 +214,11 @@ def prepare_family(family: str, folder: Path) -> dict:
 
 
 def _rank_families(ctx, families: list, tmp: str) -> dict:
-    """On each rank: prepare ``families[rank]``, then run every export of each family."""
+    """On each rank: prepare every ``world_size``-th family from ``rank`` on, then run
+    every export of each family."""
     import torch.distributed as dist
 
-    mine = families[ctx.rank] if ctx.rank < len(families) else None
-    out = {mine: {"prepared": prepare_family(mine, Path(tmp) / mine)}} if mine else {}
+    out = {f: {"prepared": prepare_family(f, Path(tmp) / f)} for f in families[ctx.rank::ctx.world_size]}
     dist.barrier()  # every folder is written
     for family in families:
         folder = Path(tmp) / family
@@ -233,16 +233,18 @@ def _rank_families(ctx, families: list, tmp: str) -> dict:
     return out
 
 
-def run_families(families: list[str], tmp: Path, ranks) -> dict:
-    """``{family: {target: outcome} | {"not_planned": why}}`` for survey families, on the
-    ``TP`` real gloo ranks of ``ranks``: each rank builds, plans and exports one family of
-    each pair (``prepare_family``), then both run both families' exports. Refusals keep
-    ``{"modules": [...]}`` beside them (``"modules"`` key), to check what they name."""
+def run_families(families: list[str], tmp: Path, ranks, per_rank: int = 2) -> dict:
+    """``{family: {target: outcome, "modules": [...]} | {"not_planned": why}}`` for survey
+    families, on the ``TP`` real gloo ranks of ``ranks``, ``per_rank`` families per rank at
+    a time: each rank builds, plans and exports its share (``prepare_family``), then every
+    rank runs every export of the lot. ``modules`` are the model's module names (what a
+    refusal may name)."""
     out = {}
-    for i in range(0, len(families), ranks.world_size):
-        pair = families[i:i + ranks.world_size]
-        results = ranks.run(_rank_families, pair, str(tmp))
-        for family in pair:
+    size = ranks.world_size * per_rank
+    for i in range(0, len(families), size):
+        lot = families[i:i + size]
+        results = ranks.run(_rank_families, lot, str(tmp))
+        for family in lot:
             prepared = next(r[family]["prepared"] for r in results if "prepared" in r.get(family, {}))
             if "not_planned" in prepared:
                 out[family] = prepared

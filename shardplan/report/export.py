@@ -390,13 +390,15 @@ class ModelCode:
         distributed reduction is refused before this is read)."""
         from ..planner.annotate import annotate
         from ..planner.capture import capture
+        from ..planner.plan import planned_capture
         from ..planner.rules import load_rules
 
         meta = self.meta
         if self._whole is None:
-            model, args, kwargs, captured = plan._captured or (lambda: None, None, None, None)
-            if model() is self.model and _same_shapes((args, kwargs), (self._args, self._kwargs)):
-                self._whole, self._truncate = captured, bool(captured.truncated)
+            planned = planned_capture(plan)  # (model ref, args, kwargs, Captured)
+            if planned and planned[0]() is self.model and \
+                    _same_shapes(planned[1:3], (self._args, self._kwargs)):
+                self._whole, self._truncate = planned[3], bool(planned[3].truncated)
             else:
                 self._whole = capture(meta, self._args, self._kwargs, truncate=True)
         key = (plan.tp, plan.rules)
