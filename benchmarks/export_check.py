@@ -42,7 +42,7 @@ def _head(text: str, n: int = 200) -> str:
 def refusal(e: Exception) -> str:
     """A LayoutError's first problem line (the module, layout and reason)."""
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    return _head(lines[1] if len(lines) > 1 else lines[0])
+    return _head(lines[1] if len(lines) > 1 else lines[0], 320)  # to the source line
 
 
 def prepare(model, plan, inputs: dict, folder: Path, class_name: str,
