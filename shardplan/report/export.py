@@ -357,8 +357,10 @@ _LOCAL_IN = {"row", "packed_row", "experts"}
 
 
 class ModelCode:
-    """The model's own code as the runtimes run it, captured on ``meta``: once as it is,
-    and once per set of local weight shapes the exported styles hand it.
+    """The model's own code as the runtimes run it, captured (on fake tensors, on the
+    model's own device: a kernel's output strides differ between devices, and with them
+    the ops a reshape becomes) once as it is, and once per set of local weight shapes the
+    exported styles hand it.
 
     Both exports of one plan read the same captures: pass one ``ModelCode(model,
     example_inputs)`` as ``code=`` to ``to_hf_tp_plan`` and ``to_dtensor_plan`` (each
@@ -369,21 +371,20 @@ class ModelCode:
 
     def __init__(self, model, example_inputs=None):
         self.model, self.example_inputs = model, example_inputs
-        self._meta = self._whole = None
+        self._copy = self._whole = None
         self._truncate = True
         self._annotations: dict = {}
         self._cuts: dict = {}
 
     @property
-    def meta(self):
-        """The model's copy on ``meta`` (with its own weights)."""
+    def clone(self):
+        """A copy of the model whose weights the cut captures replace."""
         from ..planner.inputs import example_args
 
-        if self._meta is None:
-            self._meta = copy.deepcopy(self.model).to("meta")
-            args, kwargs = example_args(self._meta, self.example_inputs)
-            self._args, self._kwargs = _to_meta(args), _to_meta(kwargs)
-        return self._meta
+        if self._copy is None:
+            self._copy = copy.deepcopy(self.model)
+            self._args, self._kwargs = example_args(self._copy, self.example_inputs)
+        return self._copy
 
     def whole(self, plan):
         """The capture as it is, annotated like ``plan`` (its baseline: a plan with a
@@ -393,14 +394,14 @@ class ModelCode:
         from ..planner.plan import planned_capture
         from ..planner.rules import load_rules
 
-        meta = self.meta
+        model = self.clone
         if self._whole is None:
             planned = planned_capture(plan)  # (model ref, args, kwargs, Captured)
             if planned and planned[0]() is self.model and \
                     _same_shapes(planned[1:3], (self._args, self._kwargs)):
                 self._whole, self._truncate = planned[3], bool(planned[3].truncated)
             else:
-                self._whole = capture(meta, self._args, self._kwargs, truncate=True)
+                self._whole = capture(model, self._args, self._kwargs, truncate=True)
         key = (plan.tp, plan.rules)
         if key not in self._annotations:
             self._annotations[key] = annotate(self._whole.gm, plan.tp, load_rules(plan.rules), distribute=False)
@@ -415,11 +416,12 @@ class ModelCode:
         if key not in self._cuts:
             saved = []
             for (path, attr), local in shapes.items():
-                owner = self.meta.get_submodule(path)
-                saved.append((owner, attr, getattr(owner, attr)))
-                setattr(owner, attr, torch.nn.Parameter(torch.empty(local, device="meta")))
+                owner = self.clone.get_submodule(path)
+                old = getattr(owner, attr)
+                saved.append((owner, attr, old))
+                setattr(owner, attr, torch.nn.Parameter(torch.empty(local, dtype=old.dtype, device=old.device)))
             try:
-                self._cuts[key] = capture(self.meta, self._args, self._kwargs, truncate=self._truncate)
+                self._cuts[key] = capture(self.clone, self._args, self._kwargs, truncate=self._truncate)
             except Exception as e:  # noqa: BLE001 - the model's own code refused the local shapes
                 self._cuts[key] = e
             finally:
@@ -445,8 +447,8 @@ def _runtime_issues(plan, mods, code: ModelCode, target: str) -> list[ExportIssu
 
     Both targets (HF's styles, DTensor's with ``use_local_output``) give the code
     between a column and a row layer this rank's slice, and change nothing else:
-    no head count, no view size. So the model is captured twice on ``meta``
-    (``ModelCode``): as it is, annotated like the plan, and with the styled layers'
+    no head count, no view size. So the model is captured twice (``ModelCode``):
+    as it is, annotated like the plan, and with the styled layers'
     weights cut to their local shapes. Op by op, the second capture must make the
     plan's shard of each tensor (or the whole tensor: computed redundantly, still
     right); a size the model computes from a constant such as ``self.num_heads``
@@ -461,7 +463,7 @@ def _runtime_issues(plan, mods, code: ModelCode, target: str) -> list[ExportIssu
     tp = plan.tp
     whole, ann = code.whole(plan)
     _gather_heads(ann, mods)
-    problems = _grad_sums(ann, mods, code.meta, target) or _written_in_place(whole.gm, mods)
+    problems = _grad_sums(ann, mods, code.clone, target) or _written_in_place(whole.gm, mods)
     if problems:
         return problems
     cut = code.cut({(m.path, attr): local_shape(tuple(p.global_shape), Placement.parse(p.layout), tp)
@@ -656,16 +658,6 @@ def _gathered_by_export(node, ann, mods) -> bool:
             return m.style == "column_gather"
         node = next((a for a in node.args if isinstance(a, torch.fx.Node)), None)
     return False
-
-
-def _to_meta(x):
-    if isinstance(x, torch.Tensor):
-        return x.to("meta")
-    if isinstance(x, dict):
-        return {k: _to_meta(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return type(x)(_to_meta(v) for v in x)
-    return x
 
 
 def export_issues(plan, target: str = "dtensor", model=None, *, example_inputs=None,
