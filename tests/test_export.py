@@ -222,6 +222,25 @@ def test_hf_exports_that_would_run_wrong_are_refused_naming_the_line():
             to_hf_tp_plan(plan, model=model)
 
 
+def test_both_exports_read_the_plans_capture_and_one_cut_capture():
+    """One ``ModelCode`` serves both exports: the capture as it is is the plan's own, one
+    cut capture serves both targets, and the HF export is the one made without sharing."""
+    from shardplan.planner.plan import planned_capture
+    from shardplan.report.export import ModelCode
+
+    model = _hf("llama", "meta")
+    plan = shardplan.plan(model, 2)
+    code = ModelCode(model)
+    hf = to_hf_tp_plan(plan, model=model, code=code)
+    styles = to_dtensor_plan(plan, model=model, code=code)
+    assert code.whole(plan)[0] is planned_capture(plan)[3]
+    assert len(code._cuts) == 1
+    assert hf == to_hf_tp_plan(plan, model=model)
+    assert len(styles) == 2 + 2 * 7  # embedding, head, 7 linears in each of 2 layers
+    copied = plan.model_copy()  # an edited or loaded plan: captured afresh
+    assert planned_capture(copied) is None and copied == plan
+
+
 def _dtensor_sp_step(ctx, model, idx, styles_plan):
     """On each rank: the exported sequence-parallel styles on a copy, one forward/backward."""
     from torch.distributed.device_mesh import init_device_mesh
