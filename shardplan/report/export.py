@@ -35,7 +35,7 @@ model's own ``tp_plan`` that the plan leaves whole are given as ``replicate``
 (transformers merges a given plan into the model's).
 
 An export is a promise that the target runtime runs the model's own, unchanged
-code right: both functions need the model, capture it on meta as the runtime
+code right: both functions need the model, capture it as the runtime
 would run it (column layers hand it local tensors, nothing else adapts) and
 refuse, naming module and source line, where a size would come out wrong (a
 view by ``self.num_heads``, mixed layouts in one attention).
@@ -703,7 +703,7 @@ def to_dtensor_plan(plan, *, model, local_output: bool = True, example_inputs=No
     from column-parallel layers to the model's own code, unchanged: the export is
     refused (``LayoutError`` naming the module and source line) where that code
     would compute a wrong size from a constant, e.g. ``view(B, T, self.n_heads, D)``
-    (checked by capturing ``model`` on meta, with ``example_inputs`` if given). With
+    (checked by capturing ``model`` on fake tensors, with ``example_inputs`` if given). With
     ``local_output=False`` they stay DTensors with global shapes, so sizes need no
     change, but every op between a column and a row layer must have a DTensor
     sharding rule (on CPU: run attention under ``sdpa_kernel(SDPBackend.MATH)`` and
@@ -799,7 +799,7 @@ def to_hf_tp_plan(plan, *, model, prefix: str | None = None, example_inputs=None
 
     HF's styles hand the model's own code local tensors and adapt nothing else
     (no head count is divided, a ``-1`` in a view is what adapts): ``model`` is
-    captured on meta as HF would run it, and the export is refused
+    captured on fake tensors as HF would run it, and the export is refused
     (``LayoutError`` naming the module and source line) where a size would come
     out wrong, e.g. OPT's ``view(bsz, -1, self.num_heads, self.head_dim)``. ``code``:
     a ``ModelCode`` of ``model`` shared with the other export.
