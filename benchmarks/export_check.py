@@ -1,12 +1,14 @@
 """Exported plans run in their target runtimes, against the unsharded model.
 
 The coverage survey and ``tests/test_export.py`` share this. For one family,
-``prepare`` exports the plan both ways (``to_hf_tp_plan``, ``to_dtensor_plan``);
-where either exports, it writes the model with ``save_pretrained`` and, beside
-it, the exported plans and the unsharded model's own results (logits; loss and
-every gradient of one backward). ``run_all`` then executes every prepared
-export on one pool of 2 real gloo ranks (one spawn for all families and both
-runtimes):
+``prepare`` exports the plan both ways (``to_hf_tp_plan``, ``to_dtensor_plan``,
+one ``ModelCode`` capture of the model's code for both); where either exports,
+it writes the model with ``save_pretrained`` and, beside it, the exported plans
+and the unsharded model's own results (logits; loss and every gradient of one
+backward). ``run_all`` then executes every prepared export on one pool of 2
+real gloo ranks (one spawn for all families and both runtimes);
+``run_families`` does all of it on the pool, each rank building, planning and
+exporting every other family, a few at a time:
 
 - HF: ``from_pretrained(folder, distributed_config=DistributedConfig(tp_plan=plan,
   tp_size=2))``, logits under ``no_grad`` (HF's
@@ -40,7 +42,7 @@ def _head(text: str, n: int = 200) -> str:
 def refusal(e: Exception) -> str:
     """A LayoutError's first problem line (the module, layout and reason)."""
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    return _head(lines[1] if len(lines) > 1 else lines[0])
+    return _head(lines[1] if len(lines) > 1 else lines[0], 320)  # to the source line
 
 
 def prepare(model, plan, inputs: dict, folder: Path, class_name: str,
@@ -50,13 +52,14 @@ def prepare(model, plan, inputs: dict, folder: Path, class_name: str,
     Returns ``{target: "refused: ..." | "crash: ..." | "exported"}``.
     """
     from shardplan.errors import LayoutError
-    from shardplan.report.export import to_dtensor_plan, to_hf_tp_plan
+    from shardplan.report.export import ModelCode, to_dtensor_plan, to_hf_tp_plan
 
     outcome, exported = {}, {}
+    code = ModelCode(model, inputs)  # the model's code captured once for both targets
     for target in targets:
         fn = to_hf_tp_plan if target == "hf" else to_dtensor_plan
         try:
-            exported[target] = fn(plan, model=model, example_inputs=inputs)
+            exported[target] = fn(plan, model=model, example_inputs=inputs, code=code)
             outcome[target] = "exported"
         except LayoutError as e:
             outcome[target] = "refused: " + refusal(e)
@@ -64,7 +67,13 @@ def prepare(model, plan, inputs: dict, folder: Path, class_name: str,
             outcome[target] = f"crash: {type(e).__name__}: {_head(e)}"
     if exported:
         folder = Path(folder)
-        model.save_pretrained(folder)
+        # under a process group transformers writes on rank 0 only; this unsharded model is
+        # whole on the rank that prepared it
+        model.should_save_on_this_rank = lambda is_main_process: is_main_process
+        try:
+            model.save_pretrained(folder)
+        finally:
+            del model.should_save_on_this_rank
         split = sorted(n for p in plan.params if p.layout != "R" for n in [p.name, *p.aliases])
         torch.save({"class": class_name, "inputs": inputs, "plan": plan, "exported": exported,
                     "split": split, "reference": reference(model, inputs)}, folder / "export.pt")
@@ -172,10 +181,81 @@ def run_all(prepared: dict, ranks=None, timeout: float = 120.0) -> dict:
                 try:
                     results = pool.run(_rank_step, str(folder), target)
                 except Exception as e:  # noqa: BLE001 - the runtime failed: an export bug
-                    out[(family, target)] = f"crash: {type(e).__name__}: {_head(str(e).splitlines()[0] if str(e) else e)}"
+                    out[(family, target)] = _crash(e)
                     continue
                 out[(family, target)] = compare(saved, target, results)
     finally:
         if ranks is None:
             pool.close()
+    return out
+
+
+def _crash(e: Exception) -> str:
+    return f"crash: {type(e).__name__}: {_head(str(e).splitlines()[0] if str(e) else e)}"
+
+
+def prepare_family(family: str, folder: Path) -> dict:
+    """Build a survey family tiny (``benchmarks.coverage``), plan it at ``TP`` and
+    ``prepare`` both exports: ``{"export": {target: outcome}, "modules": [...]}`` (the
+    model's module names), or ``{"not_planned": why}``."""
+    import shardplan
+
+    from . import coverage
+
+    task, class_name = coverage.families()[family]
+    inputs = coverage.example_inputs(task)
+    try:
+        model = coverage.build(family, class_name)
+        plan = shardplan.plan(model, TP, example_inputs=inputs)
+    except Exception as e:  # noqa: BLE001 - the survey's "not built" / "refused": nothing to export
+        return {"not_planned": f"{type(e).__name__}: {_head(e)}"}
+    return {"export": prepare(model, plan, inputs, folder, class_name),
+            "modules": [n for n, _ in model.named_modules()]}
+
+
+def _rank_families(ctx, families: list, tmp: str) -> dict:
+    """On each rank: prepare every ``world_size``-th family from ``rank`` on, then run
+    every export of each family."""
+    import torch.distributed as dist
+
+    out = {f: {"prepared": prepare_family(f, Path(tmp) / f)} for f in families[ctx.rank::ctx.world_size]}
+    dist.barrier()  # every folder is written
+    for family in families:
+        folder = Path(tmp) / family
+        if not (folder / "export.pt").exists():
+            continue
+        runs = out.setdefault(family, {}).setdefault("runs", {})
+        for target in torch.load(folder / "export.pt", weights_only=False)["exported"]:
+            try:
+                runs[target] = _rank_step(ctx, str(folder), target)
+            except Exception as e:  # noqa: BLE001 - the runtime failed on this rank: an export bug
+                runs[target] = _crash(e)
+    return out
+
+
+def run_families(families: list[str], tmp: Path, ranks, per_rank: int = 2) -> dict:
+    """``{family: {target: outcome, "modules": [...]} | {"not_planned": why}}`` for survey
+    families, on the ``TP`` real gloo ranks of ``ranks``, ``per_rank`` families per rank at
+    a time: each rank builds, plans and exports its share (``prepare_family``), then every
+    rank runs every export of the lot. ``modules`` are the model's module names (what a
+    refusal may name)."""
+    out = {}
+    size = ranks.world_size * per_rank
+    for i in range(0, len(families), size):
+        lot = families[i:i + size]
+        results = ranks.run(_rank_families, lot, str(tmp))
+        for family in lot:
+            prepared = next(r[family]["prepared"] for r in results if "prepared" in r.get(family, {}))
+            if "not_planned" in prepared:
+                out[family] = prepared
+                continue
+            outcome = dict(prepared["export"], modules=prepared["modules"])
+            folder = Path(tmp) / family
+            if (folder / "export.pt").exists():
+                saved = torch.load(folder / "export.pt", weights_only=False)
+                for target in saved["exported"]:
+                    got = [r[family]["runs"][target] for r in results]
+                    crash = next((g for g in got if isinstance(g, str)), None)
+                    outcome[target] = crash or compare(saved, target, got)
+            out[family] = outcome
     return out

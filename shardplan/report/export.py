@@ -35,7 +35,7 @@ model's own ``tp_plan`` that the plan leaves whole are given as ``replicate``
 (transformers merges a given plan into the model's).
 
 An export is a promise that the target runtime runs the model's own, unchanged
-code right: both functions need the model, capture it on meta as the runtime
+code right: both functions need the model, capture it as the runtime
 would run it (column layers hand it local tensors, nothing else adapts) and
 refuse, naming module and source line, where a size would come out wrong (a
 view by ``self.num_heads``, mixed layouts in one attention).
@@ -81,7 +81,7 @@ from ..errors import LayoutError
 from ..layouts import Placement, Replicate, Shard
 from ..planner import blocks
 
-__all__ = ["to_dtensor_plan", "to_hf_tp_plan", "export_issues", "ExportIssue",
+__all__ = ["to_dtensor_plan", "to_hf_tp_plan", "export_issues", "ExportIssue", "ModelCode",
            "parallelize_with_dtensor", "tie_again"]
 
 
@@ -356,60 +356,121 @@ _LOCAL_OUT = {"column", "packed_column"}
 _LOCAL_IN = {"row", "packed_row", "experts"}
 
 
-def _runtime_issues(plan, mods, model, example_inputs, target: str) -> list[ExportIssue]:
+class ModelCode:
+    """The model's own code as the runtimes run it, captured (on fake tensors, on the
+    model's own device: a kernel's output strides differ between devices, and with them
+    the ops a reshape becomes) once as it is, and once per set of local weight shapes the
+    exported styles hand it.
+
+    Both exports of one plan read the same captures: pass one ``ModelCode(model,
+    example_inputs)`` as ``code=`` to ``to_hf_tp_plan`` and ``to_dtensor_plan`` (each
+    makes its own otherwise). The capture as it is is the plan's own where the plan
+    was made from this model and inputs of these shapes. The model must not change
+    in between.
+    """
+
+    def __init__(self, model, example_inputs=None):
+        self.model, self.example_inputs = model, example_inputs
+        self._copy = self._whole = None
+        self._truncate = True
+        self._annotations: dict = {}
+        self._cuts: dict = {}
+
+    @property
+    def clone(self):
+        """A copy of the model whose weights the cut captures replace."""
+        from ..planner.inputs import example_args
+
+        if self._copy is None:
+            self._copy = copy.deepcopy(self.model)
+            self._args, self._kwargs = example_args(self._copy, self.example_inputs)
+        return self._copy
+
+    def whole(self, plan):
+        """The capture as it is, annotated like ``plan`` (its baseline: a plan with a
+        distributed reduction is refused before this is read)."""
+        from ..planner.annotate import annotate
+        from ..planner.capture import capture
+        from ..planner.plan import planned_capture
+        from ..planner.rules import load_rules
+
+        model = self.clone
+        if self._whole is None:
+            planned = planned_capture(plan)  # (model ref, args, kwargs, Captured)
+            if planned and planned[0]() is self.model and \
+                    _same_shapes(planned[1:3], (self._args, self._kwargs)):
+                self._whole, self._truncate = planned[3], bool(planned[3].truncated)
+            else:
+                self._whole = capture(model, self._args, self._kwargs, truncate=True)
+        key = (plan.tp, plan.rules)
+        if key not in self._annotations:
+            self._annotations[key] = annotate(self._whole.gm, plan.tp, load_rules(plan.rules), distribute=False)
+        return self._whole, self._annotations[key]
+
+    def cut(self, shapes: dict):
+        """The capture with each ``(module, parameter)`` of ``shapes`` at that local shape;
+        the exception the model's code raises on them instead, if it does."""
+        from ..planner.capture import capture
+
+        key = tuple(sorted(shapes.items()))
+        if key not in self._cuts:
+            saved = []
+            for (path, attr), local in shapes.items():
+                owner = self.clone.get_submodule(path)
+                old = getattr(owner, attr)
+                saved.append((owner, attr, old))
+                setattr(owner, attr, torch.nn.Parameter(torch.empty(local, dtype=old.dtype, device=old.device)))
+            try:
+                self._cuts[key] = capture(self.clone, self._args, self._kwargs, truncate=self._truncate)
+            except Exception as e:  # noqa: BLE001 - the model's own code refused the local shapes
+                self._cuts[key] = e
+            finally:
+                for owner, attr, param in reversed(saved):
+                    setattr(owner, attr, param)
+        return self._cuts[key]
+
+
+def _same_shapes(a, b) -> bool:
+    """Whether two ``(args, kwargs)`` hold the same structure, tensor shapes and dtypes, and
+    other values."""
+    import torch.utils._pytree as pytree
+
+    (la, sa), (lb, sb) = pytree.tree_flatten(a), pytree.tree_flatten(b)
+    key = lambda x: (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x  # noqa: E731
+    return sa == sb and all(type(x) is type(y) and key(x) == key(y) for x, y in zip(la, lb))
+
+
+def _runtime_issues(plan, mods, code: ModelCode, target: str) -> list[ExportIssue]:
     """Where the model's own code goes wrong when the exported modules hand it local tensors
     (first settling which column layers export gathered, ``_gather_heads``, and which
     replicated parameters need their gradient summed, ``_grad_sums``).
 
     Both targets (HF's styles, DTensor's with ``use_local_output``) give the code
     between a column and a row layer this rank's slice, and change nothing else:
-    no head count, no view size. So the model is captured twice on ``meta``: as
-    it is, annotated like the plan, and with the styled layers' weights cut to
-    their local shapes. Op by op, the second capture must make the plan's shard
-    of each tensor (or the whole tensor: computed redundantly, still right);
-    a size the model computes from a constant such as ``self.num_heads`` shows
-    up as the first op where it does not.
+    no head count, no view size. So the model is captured twice (``ModelCode``):
+    as it is, annotated like the plan, and with the styled layers'
+    weights cut to their local shapes. Op by op, the second capture must make the
+    plan's shard of each tensor (or the whole tensor: computed redundantly, still
+    right); a size the model computes from a constant such as ``self.num_heads``
+    shows up as the first op where it does not.
     """
     from ..layouts import Shard as _Shard
-    from ..planner.annotate import annotate
-    from ..planner.capture import capture, module_of, source_of
+    from ..planner.capture import module_of, source_of
     from ..planner.graph import hint, shape
-    from ..planner.inputs import example_args
     from ..planner.kinds.permute import viewed_parameter
-    from ..planner.rules import load_rules
     from ..planner.shards import local_shape
 
     tp = plan.tp
-    meta = copy.deepcopy(model).to("meta")
-    args, kwargs = example_args(meta, example_inputs)
-    args, kwargs = _to_meta(args), _to_meta(kwargs)
-    whole = capture(meta, args, kwargs, truncate=True)
-    # the baseline, as it is: a plan with a distributed reduction is refused before this
-    ann = annotate(whole.gm, tp, load_rules(plan.rules), distribute=False)
+    whole, ann = code.whole(plan)
     _gather_heads(ann, mods)
-    problems = _grad_sums(ann, mods, meta, target) or _written_in_place(whole.gm, mods)
+    problems = _grad_sums(ann, mods, code.clone, target) or _written_in_place(whole.gm, mods)
     if problems:
         return problems
-    for m in mods.values():
-        if m.style not in _LOCAL_OUT | _LOCAL_IN:
-            continue
-        owner = meta.get_submodule(m.path)
-        for attr, p in m.params.items():
-            local = local_shape(tuple(p.global_shape), Placement.parse(p.layout), tp)
-            setattr(owner, attr, torch.nn.Parameter(torch.empty(local, device="meta")))
-    try:
-        cut = capture(meta, args, kwargs, truncate=True)
-    except Exception as e:  # noqa: BLE001 - the model's own code refused the local shapes
-        crash = str(e).splitlines()[0] + (f" at {e.source}" if getattr(e, "source", None) else "")
-        lines: dict[str, list[str]] = {}
-        for line, module in _resized(whole.gm, ann, tp).items():
-            lines.setdefault(blocks.pattern(module), []).append(line)
-        return [ExportIssue(module, "-", "shardplan divides a size by tp here that the model's code "
-                            f"computes from a constant ({'; '.join(found)}); on the local tensors these "
-                            f"styles hand it, the model's code fails: {crash}")
-                for module, found in lines.items()] or \
-            [ExportIssue(getattr(e, "where", "(model)"), "-", "the model's own code fails on the local "
-                         f"tensors these styles hand it: {crash}")]
+    cut = code.cut({(m.path, attr): local_shape(tuple(p.global_shape), Placement.parse(p.layout), tp)
+                    for m in mods.values() if m.style in _LOCAL_OUT | _LOCAL_IN
+                    for attr, p in m.params.items()})
+    if isinstance(cut, Exception):
+        return _crash_issues(cut, whole.gm, ann, mods, tp)
 
     ops = [n for n in whole.gm.graph.nodes if n.op == "call_function"]
     local_ops = [n for n in cut.gm.graph.nodes if n.op == "call_function"]
@@ -430,6 +491,39 @@ def _runtime_issues(plan, mods, model, example_inputs, target: str) -> list[Expo
                                 f"this rank's part is {list(want)}, at {where}: a size the code "
                                 "computes from a constant (a head count?) that the plan divides by tp")]
     return []
+
+
+def _crash_issues(e: Exception, gm, ann, mods, tp: int) -> list[ExportIssue]:
+    """Why the model's code fails on the local tensors: the sizes shardplan divides by tp
+    that the code computes from a constant (on tensors the export leaves local), else the
+    whole tensors the plan reads as this rank's part (T5's position bias: shardplan slices
+    it, no style does)."""
+    from ..planner.capture import module_of, source_of
+    from ..planner.transitions import Purpose
+
+    at = getattr(e, "source", None)
+    crash = str(e).splitlines()[0] + (f" at {at}" if at else "")
+    lines: dict[str, list[str]] = {}
+    for line, module in _resized(gm, ann, tp, mods).items():
+        lines.setdefault(blocks.pattern(module), []).append(line)
+    if lines:
+        return [ExportIssue(module, "-", "shardplan divides a size by tp here that the model's code "
+                            f"computes from a constant ({'; '.join(found)}); on the local tensors these "
+                            f"styles hand it, the model's code fails: {crash}")
+                for module, found in lines.items()]
+    split: dict[str, list[str]] = {}  # whole tensors the plan slices, by reading module
+    for t in ann.transitions:
+        if t.purpose is Purpose.SPLIT:
+            for node, _ in t.consumers:
+                made = f"made at {source_of(t.src) or t.src.name}, read at {source_of(node) or node.name}"
+                split.setdefault(blocks.pattern(module_of(node)), []).append(made)
+    if not split:
+        return [ExportIssue(getattr(e, "where", None) or "(model)", "-", "the model's own code fails on "
+                            f"the local tensors these styles hand it: {crash}")]
+    return [ExportIssue(module, "R", "the plan reads a whole tensor as this rank's part here, keeping its "
+                        f"slice ({'; '.join(dict.fromkeys(found))}); no style slices it, so the model's "
+                        f"code meets the whole tensor beside its local ones and fails: {crash}")
+            for module, found in split.items()]
 
 
 def _gather_heads(ann, mods) -> None:
@@ -531,8 +625,9 @@ def _written_in_place(gm, mods) -> list[ExportIssue]:
     return []
 
 
-def _resized(gm, ann, tp: int) -> dict[str, str]:
-    """Source line -> module, for each size argument shardplan's rewrite divides by tp."""
+def _resized(gm, ann, tp: int, mods) -> dict[str, str]:
+    """Source line -> module, for each size argument shardplan's rewrite divides by tp, on
+    a tensor the export leaves local (not an LM head's logits, which it gathers)."""
     from ..planner.annotate import read_as
     from ..planner.capture import module_of, source_of
     from ..planner.graph import args_of, op_name
@@ -544,7 +639,7 @@ def _resized(gm, ann, tp: int) -> dict[str, str]:
         if kind is None or not node.args or not isinstance(node.args[0], type(node)):
             continue
         src = read_as(ann.layouts.get(node.args[0]))
-        if not isinstance(src, Shard):
+        if not isinstance(src, Shard) or _gathered_by_export(node.args[0], ann, mods):
             continue
         old = args_of(node)
         local = KINDS[kind].local_args(node, src, ann.layouts.get(node), tp, lambda s, by: f"{s}//{by}")
@@ -553,17 +648,20 @@ def _resized(gm, ann, tp: int) -> dict[str, str]:
     return found
 
 
-def _to_meta(x):
-    if isinstance(x, torch.Tensor):
-        return x.to("meta")
-    if isinstance(x, dict):
-        return {k: _to_meta(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return type(x)(_to_meta(v) for v in x)
-    return x
+def _gathered_by_export(node, ann, mods) -> bool:
+    """Whether ``node``'s split value comes unchanged from a column layer the export gathers."""
+    from ..planner.capture import module_of
+
+    while isinstance(node, torch.fx.Node) and isinstance(ann.layouts.get(node), Shard):
+        m = mods.get(module_of(node))
+        if m is not None:
+            return m.style == "column_gather"
+        node = next((a for a in node.args if isinstance(a, torch.fx.Node)), None)
+    return False
 
 
-def export_issues(plan, target: str = "dtensor", model=None, *, example_inputs=None) -> list[ExportIssue]:
+def export_issues(plan, target: str = "dtensor", model=None, *, example_inputs=None,
+                  code: ModelCode | None = None) -> list[ExportIssue]:
     """What cannot be exported (``fatal``) and what exports with a difference (notes).
 
     With ``model``, also where the model's own code would compute wrong sizes on the
@@ -573,7 +671,7 @@ def export_issues(plan, target: str = "dtensor", model=None, *, example_inputs=N
         raise ValueError(f"target must be 'dtensor' or 'hf', not {target!r}")
     mods, issues = _analyse(plan, target, model)
     if model is not None and not any(i.fatal for i in issues):
-        issues += _runtime_issues(plan, mods, model, example_inputs, target)
+        issues += _runtime_issues(plan, mods, code or ModelCode(model, example_inputs), target)
     return issues
 
 
@@ -597,22 +695,23 @@ def _raise(issues: list[ExportIssue], target: str) -> None:
             "split dim read from the tensor or written -1 (view(B, T, -1, head_dim)), not a head count")
 
 
-def to_dtensor_plan(plan, *, model, local_output: bool = True, example_inputs=None) -> dict:
+def to_dtensor_plan(plan, *, model, local_output: bool = True, example_inputs=None,
+                    code: ModelCode | None = None) -> dict:
     """``{module FQN: ParallelStyle}`` for ``parallelize_module(model, mesh, ...)``.
 
     ``local_output=True`` (the default, as in torchtitan) hands plain local tensors
     from column-parallel layers to the model's own code, unchanged: the export is
     refused (``LayoutError`` naming the module and source line) where that code
     would compute a wrong size from a constant, e.g. ``view(B, T, self.n_heads, D)``
-    (checked by capturing ``model`` on meta, with ``example_inputs`` if given). With
+    (checked by capturing ``model`` on fake tensors, with ``example_inputs`` if given). With
     ``local_output=False`` they stay DTensors with global shapes, so sizes need no
     change, but every op between a column and a row layer must have a DTensor
     sharding rule (on CPU: run attention under ``sdpa_kernel(SDPBackend.MATH)`` and
     ``implicit_replication()``).
 
     Every styled module must be an ``nn.Linear`` (``nn.Embedding`` for the
-    vocabulary). Raises ``LayoutError`` for layouts with no DTensor style (see
-    ``export_issues``).
+    vocabulary). ``code``: a ``ModelCode`` of ``model`` shared with the other export.
+    Raises ``LayoutError`` for layouts with no DTensor style (see ``export_issues``).
     """
     from torch.distributed.tensor import Replicate as DReplicate
     from torch.distributed.tensor import Shard as DShard
@@ -621,7 +720,7 @@ def to_dtensor_plan(plan, *, model, local_output: bool = True, example_inputs=No
     _need(model)
     mods, issues = _analyse(plan, "dtensor", model)
     if local_output and not any(i.fatal for i in issues):
-        issues += _runtime_issues(plan, mods, model, example_inputs, "dtensor")
+        issues += _runtime_issues(plan, mods, code or ModelCode(model, example_inputs), "dtensor")
     _raise(issues, "dtensor")
     if getattr(plan, "sequence_parallel", False):
         return _sp_styles(plan, mods, model, local_output, DReplicate, DShard, ColwiseParallel,
@@ -684,7 +783,8 @@ _HF_STYLE = {"column": "colwise", "column_gather": "colwise_gather_output", "row
              "grad_allreduce": "replicated_with_grad_allreduce"}
 
 
-def to_hf_tp_plan(plan, *, model, prefix: str | None = None, example_inputs=None) -> dict[str, str]:
+def to_hf_tp_plan(plan, *, model, prefix: str | None = None, example_inputs=None,
+                  code: ModelCode | None = None) -> dict[str, str]:
     """Hugging Face ``tp_plan`` strings keyed by module path, ``*`` for block indices.
 
     Keys are relative to the model the plan was made for (compare with an HF
@@ -699,14 +799,15 @@ def to_hf_tp_plan(plan, *, model, prefix: str | None = None, example_inputs=None
 
     HF's styles hand the model's own code local tensors and adapt nothing else
     (no head count is divided, a ``-1`` in a view is what adapts): ``model`` is
-    captured on meta as HF would run it, and the export is refused
+    captured on fake tensors as HF would run it, and the export is refused
     (``LayoutError`` naming the module and source line) where a size would come
-    out wrong, e.g. OPT's ``view(bsz, -1, self.num_heads, self.head_dim)``.
+    out wrong, e.g. OPT's ``view(bsz, -1, self.num_heads, self.head_dim)``. ``code``:
+    a ``ModelCode`` of ``model`` shared with the other export.
     """
     _need(model)
     mods, issues = _analyse(plan, "hf", model)
     if not any(i.fatal for i in issues):
-        issues += _runtime_issues(plan, mods, model, example_inputs, "hf")
+        issues += _runtime_issues(plan, mods, code or ModelCode(model, example_inputs), "hf")
     _raise(issues, "hf")
     styles = {}
     for m in mods.values():
