@@ -189,8 +189,10 @@ def _distributed(gm, ann: Annotation, settle, whole: frozenset, gather: frozense
     annotation, the reductions it newly runs distributed, and the names enabled."""
     g = fx.GraphModule(gm, copy.deepcopy(gm.graph))
     before = {n.name for n, o in ann.outcomes.items() if o.role is Role.DISTRIBUTED}
+    grad = {n.name for n, needs in ann.requires_grad.items() if needs}
     while True:
-        fused = [n for n in g.graph.nodes if n.name in names and decomposable(n)]
+        fused = [n for n in g.graph.nodes if n.name in names
+                 and decomposable(n, n.args[0].name in grad)]
         if fused:
             decompose(g, fused)
         try:
