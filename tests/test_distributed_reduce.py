@@ -174,7 +174,9 @@ def test_hf_family_shards_attention(kind):
 @pytest.mark.timeout(300)
 def test_real_gloo_interleaved_rotary_and_distributed_norm(real_ranks):
     """One launch of 2 gloo ranks: GPT-J (partial interleaved rotary) and OLMo2 (q/k norm
-    over all heads) equal HF's own on every rank."""
+    over all heads) equal HF's own on every rank; the sparse coder's gathered top-k, the
+    written-out max with tied maxima and F.normalize, and GroupNorm over whole groups
+    equal the unsharded model on every rank, their GEMMs split and ledgers as simulated."""
     kw = inputs()
     ranks = real_ranks(2)
     for kind in ("gptj", "olmo2"):
@@ -182,6 +184,24 @@ def test_real_gloo_interleaved_rotary_and_distributed_norm(real_ranks):
         assert_equivalent(results, reference(build_hf(kind), kw))
         assert all(r[3]["model.layers.0.self_attn.q_proj.weight" if kind == "olmo2"
                         else "transformer.h.0.attn.q_proj.weight"] == Shard(0) for r in results)
+    x, tokens = split_dim_cases.example(), 12
+    for name, split, want in [
+            ("sparse_coder", "enc.weight", {("all_gather", "forward", 8 * 256): 1,
+                                            ("all_reduce", "backward", 8 * 256): 1,
+                                            ("all_gather", "forward", 8 * 16): 1}),
+            ("amax_ties", "up.weight", {("all_reduce", "forward", tokens): 3,
+                                        ("all_reduce", "backward", tokens): 1,
+                                        ("all_reduce", "forward", tokens * 32): 1}),
+            ("normalize", "up.weight", {("all_reduce", "forward", tokens): 1,
+                                        ("all_reduce", "backward", tokens): 1,
+                                        ("all_reduce", "forward", tokens * 32): 1}),
+            ("group_norm", "norm.weight", {("all_reduce", "forward", tokens * 32): 1})]:
+        model = split_dim_cases.build(name)
+        xs = split_dim_cases.example(4, 16) if name == "sparse_coder" else x
+        results = ranks.run(split_dim_cases.step, model, xs)
+        assert_equivalent(results, split_dim_cases.reference(model, xs))
+        assert all(r[3][split] == Shard(0) for r in results), name
+        assert all(_ledger(r[4]) == Counter(want) for r in results), name
 
 
 # --------------------------------------------------------------------------- split_dim_cases
