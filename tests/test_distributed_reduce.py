@@ -250,6 +250,9 @@ def test_gather_move_keeps_a_wide_projection_sharded(tp):
     assert "*gathered" in plan.report()
     assert 'class="choice-row" data-chosen="gathered"' in plan.to_html()
     assert shardplan.Plan.from_json(plan.to_json()).choices == plan.choices
+    if tp == 2:  # neither export can spell it: the model's own top-k would see one part
+        with pytest.raises(shardplan.LayoutError, match="enc.*all-gathered for an op"):
+            plan.to_hf_tp_plan(model=model)
 
 
 def test_gather_move_loses_to_replication_on_many_tokens():

@@ -147,7 +147,7 @@ def annotate(gm: fx.GraphModule, tp: int, rules: RuleSet, *, strict: bool = Fals
             if done:  # else none can run distributed (a max that needs its gradient)
                 alts[DISTRIBUTED] = alt
         if not sequence_parallel and not names:
-            alt, gathered = _gathered(gm, settle, whole, gather, stops, origins)
+            alt, gathered = _gathered(gm, ann, settle, whole, gather, stops, origins)
             if alt is not None:
                 alts[GATHERED] = alt
         if not alts:
@@ -208,11 +208,13 @@ def _distributed(gm, ann: Annotation, settle, whole: frozenset, gather: frozense
         names = names | more
 
 
-def _gathered(gm, settle, whole: frozenset, gather: frozenset, stops: set, origins: frozenset):
-    """``annotate`` with the shards read by ``stops`` (the ops one region stopped at)
+def _gathered(gm, ann: Annotation, settle, whole: frozenset, gather: frozenset, stops: set,
+              origins: frozenset):
+    """``ann`` with the shards read by ``stops`` (the ops one region stopped at)
     all-gathered there, and at every further op that region then stops at, so that
     its openers stay sharded. Returns the annotation and the ops gathered at, or None
-    where the openers stay replicated anyway (another conflict holds them)."""
+    where that gathers nothing or the openers stay replicated anyway (another conflict
+    holds them)."""
     names = set(stops)
     while True:
         try:
@@ -223,7 +225,9 @@ def _gathered(gm, settle, whole: frozenset, gather: frozenset, stops: set, origi
                 if not _reduction(n, whole) and {x.name for x in o} & origins} - names
         if not more:
             held = {n.name for n in alt.disabled}
-            return (None if origins <= held else alt), names
+            gathers = lambda a: sum(t.purpose is Purpose.GATHER for t in a.transitions)  # noqa: E731
+            useless = origins <= held or gathers(alt) == gathers(ann)
+            return (None if useless else alt), names
         names = names | more
 
 
