@@ -1,5 +1,5 @@
 """Small models of ops over a split dim, run the same way on simulated and real ranks:
-ops with no distributed form (a top-k over a wide projection's features: the planner
+ops with no rule over a split dim (a sort over a wide projection's features: the planner
 weighs gathering the shard there) and reductions written out to run distributed
 (variance, standard deviation, F.normalize, a LayerNorm over two trailing dims, a max
 whose gradient is needed, with ties), and GroupNorm over channels split by whole groups."""
@@ -20,9 +20,10 @@ REDUCTIONS = ["var", "std", "normalize", "layer_norm_2d", "amax", "amax_ties"]
 
 class SparseCoder(nn.Module):
     """A top-k sparse autoencoder (OpenAI's TopK SAE): a wide encoder, the k largest
-    latents of each token kept (``topk`` over the encoder's features, then scattered
-    into zeros), a decoder back. The top-k has no distributed form over the split
-    features."""
+    latents of each token kept (a descending ``sort`` over the encoder's features, its
+    first k, scattered into zeros), a decoder back. The sort has no rule over the split
+    features (a fallback; ``topk`` itself is a reduction, where Megatron's answer, an
+    MoE router kept whole, stands)."""
 
     def __init__(self, dim: int = 16, latents: int = 256, k: int = 8):
         super().__init__()
@@ -30,7 +31,8 @@ class SparseCoder(nn.Module):
         self.enc, self.dec = nn.Linear(dim, latents), nn.Linear(latents, dim)
 
     def forward(self, x):
-        vals, idx = self.enc(x).topk(self.k, -1)
+        vals, idx = self.enc(x).sort(-1, descending=True)
+        vals, idx = vals[..., :self.k], idx[..., :self.k]
         sparse = torch.zeros(*x.shape[:-1], self.latents).scatter(-1, idx, F.relu(vals))
         return self.dec(sparse)
 

@@ -222,8 +222,8 @@ def _sharded_on_every_rank(results, weights: dict):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("tp", [2, 4])
 def test_gather_move_keeps_a_wide_projection_sharded(tp):
-    """A top-k over a wide encoder's split features has no distributed form: the planner
-    all-gathers the encoder's output at the top-k (backward: this rank's slice of the
+    """A sort (for a top-k) over a wide encoder's split features has no rule: the planner
+    all-gathers the encoder's output at the sort (backward: this rank's slice of the
     gradient), keeping the encoder column parallel, as that moves fewer bytes than the
     encoder's replicated weights and gradients cost. Every rank equals the unsharded
     model; the ledger is the hand count; the choice records both costs by hand too."""
@@ -233,7 +233,7 @@ def test_gather_move_keeps_a_wide_projection_sharded(tp):
     results = SimulatedRanks(tp).run(split_dim_cases.step, model, x)
     assert_equivalent(results, split_dim_cases.reference(model, x))
     _sharded_on_every_rank(results, {"enc.weight": Shard(0), "enc.bias": Shard(0)})
-    # the top-k's input gathered (t*n), its latents' gradient summed by the decoder's f
+    # the sort's input gathered (t*n), its latents' gradient summed by the decoder's f
     # (t*n; the decoder opens on the replicated latents), its output gathered (t*d)
     want = Counter({("all_gather", "forward", t * n): 1, ("all_reduce", "backward", t * n): 1,
                     ("all_gather", "forward", t * d): 1})
@@ -243,14 +243,14 @@ def test_gather_move_keeps_a_wide_projection_sharded(tp):
     assert [(c.purpose, c.kind, c.elements) for c in plan.collectives if c.purpose == "gather"] \
         == [("gather", "all_gather", t * n)]
     (c,) = plan.choices
-    assert (c.nodes, c.chosen, list(c.costs)) == (["topk"], "gathered", ["replicated", "gathered"])
+    assert (c.nodes, c.chosen, list(c.costs)) == (["sort"], "gathered", ["replicated", "gathered"])
     enc, dec = n * d + n, d * n + d  # elements; 4 bytes each, twice with the gradient
     assert c.costs["gathered"] == {"moved": 4 * (2 * t * n + t * d), "params": 8 * (enc + dec) // tp}
     assert c.costs["replicated"] == {"moved": 4 * (t * n + t * d), "params": 8 * (enc + dec // tp)}
     assert "*gathered" in plan.report()
     assert 'class="choice-row" data-chosen="gathered"' in plan.to_html()
     assert shardplan.Plan.from_json(plan.to_json()).choices == plan.choices
-    if tp == 2:  # neither export can spell it: the model's own top-k would see one part
+    if tp == 2:  # neither export can spell it: the model's own sort would see one part
         with pytest.raises(shardplan.LayoutError, match="enc.*all-gathered for an op"):
             plan.to_hf_tp_plan(model=model)
 

@@ -84,7 +84,7 @@ def test_region_that_cannot_close_stays_replicated_or_gathers():
     assert isinstance(results[0][3]["blocks.0.wqkv.weight"], shardplan.Shard)  # attention unaffected
     idx = torch.zeros(2, 4, dtype=torch.long)
     p = shardplan.plan(model, 2, example_inputs=idx)
-    assert (p.choices[0].nodes, p.choices[0].chosen) == (["cumsum"], "gathered")
+    assert [c.chosen for c in p.choices if c.nodes == ["cumsum"]] == ["gathered"]
     assert not p.warnings
     # many tokens: gathering them costs more than holding fc whole
     many = shardplan.plan(model, 2, example_inputs=torch.zeros(64, 16, dtype=torch.long))

@@ -83,7 +83,7 @@ class Annotation:
     # on to where the tensor is smallest: an MoE layer's sum over the top-k)
     passed: set = field(default_factory=set)
     stopped: dict = field(default_factory=dict)  # op a region stopped at -> its openers
-    # op a region stopped at while reading a shard (all-gathering it would do) -> its openers
+    # op with no rule for a shard it reads (a fallback; all-gathering it would do) -> openers
     blocked: dict = field(default_factory=dict)
     choices: list = field(default_factory=list)  # [choices.Choice], one per weighed region
 
@@ -132,6 +132,9 @@ def annotate(gm: fx.GraphModule, tp: int, rules: RuleSet, *, strict: bool = Fals
     gather = frozenset()  # names of the ops whose split operands are all-gathered
     ann = settle(gm, whole, gather)
     regions: dict = {}  # names of openers -> names of the ops that stopped them
+    for node, origins in ann.stopped.items() if distribute else ():
+        if _reduction(node, whole):
+            regions.setdefault(frozenset(o.name for o in origins), set()).add(node.name)
     for node, origins in ann.blocked.items() if distribute else ():
         regions.setdefault(frozenset(o.name for o in origins), set()).add(node.name)
     choices = []
@@ -416,8 +419,8 @@ class _Pass:
         outcome = self._unflattened(node, ins) or self._rule(node, ins)
         if outcome.conflict:
             outcome.conflict.origins = outcome.conflict.origins or origins
-            outcome.conflict.gatherable = not outcome.conflict.divisibility and \
-                any(isinstance(self._read(a), Shard) for _, a in ins)
+            outcome.conflict.gatherable = not (outcome.conflict.divisibility or outcome.conflict.closes) \
+                and any(isinstance(self._read(a), Shard) for _, a in ins)
             self.conflicts.append(outcome.conflict)
             outcome = Outcome(replicated_like(node), rule="conflict")
         if viewed_parameter(node) is None and experts_view(node) is None:

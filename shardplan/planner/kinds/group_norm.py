@@ -5,15 +5,14 @@ of C/G channels. Channels split into tp parts that each hold whole groups (G div
 by tp) make every group local to one rank: each runs ``group_norm`` with G/tp groups
 on its channels, with its part of the per-channel weight and bias; no communication.
 A batch split is local too. Any other split (groups cut by the split, a spatial dim)
-stops the region there, as a reduction over the split dim does (the planner may then
-gather the shard for it).
+is a fallback (no Megatron answer: the planner weighs gathering the shard for it).
 """
 
 from __future__ import annotations
 
 from ..graph import args_of, operands
 from ...layouts import Shard
-from .base import Context, Conflict, Kind, Outcome, conflict, register
+from .base import Context, Kind, Outcome, conflict, register
 
 
 @register
@@ -33,9 +32,7 @@ class GroupNormKind(Kind):
                 and groups % ctx.tp == 0:
             return Outcome(lay, {p: Shard(0) for p in params},
                            rule=f"group_norm over whole groups: {groups // ctx.tp} per rank")
-        return Outcome(None, conflict=Conflict(
-            node, "group_norm reduces over the sharded dim (groups cut by the split)",
-            closes=True))
+        return conflict(node, "group_norm over groups cut by the split")
 
     def local_args(self, node, src, out, tp, divide) -> dict:
         if src.dim != 1:
