@@ -157,6 +157,14 @@ TWISTS: dict[str, Twist] = {
     "layer_norm": Twist(lambda m, x: F.layer_norm(x, (x.shape[-1],)), static_last=True,
                         local=False),
     "normalize": Twist(lambda m, x: F.normalize(x, dim=-1), local=False),
+    # a norm over two trailing dims, a max whose gradient is shared by ties, GroupNorm
+    "layer_norm_2d": Twist(lambda m, x: F.layer_norm(x.unflatten(-1, (2, -1)), (
+        2, x.shape[-1] // 2)).flatten(-2), static_last=True, even_last=True, local=False),
+    "amax_ties": Twist(lambda m, x: (lambda y: y * y.amax(-1, keepdim=True))(x.clamp(max=0.1)),
+                       local=False),
+    "group_norm": Twist(lambda m, x: F.group_norm(x.transpose(1, 2), 2).transpose(1, 2),
+                        static_last=True, even_last=True, local=False,
+                        only=("qkv", "q", "merged", "ffn", "stream")),
     "norm_module": Twist(lambda m, x: m.norm(x), static_last=True, params="norm", local=False),
     "sum_all": Twist(lambda m, x: x * x.sum().tanh(), local=False),
     # an RMSNorm written out over the last dim (OLMo2's q/k norm): distributed where split

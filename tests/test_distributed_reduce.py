@@ -15,6 +15,7 @@ from shardplan.layouts import Shard
 from shardplan.planner.capture import capture
 from shardplan.ranks import SimulatedRanks
 
+import split_dim_cases
 from checks import assert_equivalent
 from hf_cases import inputs, reference, step
 from norm_cases import (FAMILIES, Attention, CenteredMLP, NormedMLP, SoftmaxMLP, attention_weights,
@@ -61,7 +62,7 @@ def test_norm_over_all_heads_is_distributed(tp):
                                                             ("k_norm", "distributed")]
     for c in plan.choices:  # replicating the region would hold more and move more
         assert c.costs["replicated"]["params"] > c.costs["distributed"]["params"]
-    assert "reductions over a split dim" in plan.report()
+    assert "over a split dim" in plan.report()
     assert 'class="choice-row" data-chosen="distributed"' in plan.to_html()
     assert shardplan.Plan.from_json(plan.to_json()).choices == plan.choices
     # HF's and DTensor's styles cannot spell it: the model's own norm would see one part
@@ -102,16 +103,14 @@ def test_softmax_over_the_split_hidden_dim(kind, tp):
     assert plan.count(purpose="f", direction="backward", elements=12) == 1
 
 
-def test_max_that_needs_its_gradient_stays_replicated():
-    """``x - x.amax(-1)`` over a split dim: a max's gradient goes to the ranks' argmax,
-    which the distributed max does not carry, so the region stays replicated (equal, and
-    the plan records no distributed choice)."""
-    model = SoftmaxMLP("amax")
-    x = torch.randn(2, 6, 32)
-    plan = shardplan.plan(model, 2, example_inputs=(x,))
-    assert plan.param("up.weight").layout == "R" and not plan.choices
-    assert plan.count(purpose="stat") == 0
-    assert shardplan.verify(model, 2, example_inputs=(x,)).ok
+def test_max_that_needs_its_gradient_is_distributed():
+    """``x - x.amax(-1)`` over a split dim: written out as the max of the detached input
+    (all-reduced by max), how many elements reach it and their sum shared among them
+    (two sums), so the region stays column/row parallel; the ties case is
+    ``test_written_out_reductions_equal_on_every_rank``."""
+    plan = _check_pattern(SoftmaxMLP("amax"), 2, {"up.weight": "S(0)", "down.weight": "S(1)"})
+    assert [c.chosen for c in plan.choices] == ["distributed"]
+    assert plan.count(purpose="stat") == 3
 
 
 class Score(torch.nn.Module):
@@ -175,7 +174,9 @@ def test_hf_family_shards_attention(kind):
 @pytest.mark.timeout(300)
 def test_real_gloo_interleaved_rotary_and_distributed_norm(real_ranks):
     """One launch of 2 gloo ranks: GPT-J (partial interleaved rotary) and OLMo2 (q/k norm
-    over all heads) equal HF's own on every rank."""
+    over all heads) equal HF's own on every rank; the sparse coder's gathered top-k, the
+    written-out max with tied maxima and F.normalize, and GroupNorm over whole groups
+    equal the unsharded model on every rank, their GEMMs split and ledgers as simulated."""
     kw = inputs()
     ranks = real_ranks(2)
     for kind in ("gptj", "olmo2"):
@@ -183,3 +184,143 @@ def test_real_gloo_interleaved_rotary_and_distributed_norm(real_ranks):
         assert_equivalent(results, reference(build_hf(kind), kw))
         assert all(r[3]["model.layers.0.self_attn.q_proj.weight" if kind == "olmo2"
                         else "transformer.h.0.attn.q_proj.weight"] == Shard(0) for r in results)
+    x, tokens = split_dim_cases.example(), 12
+    for name, split, want in [
+            ("sparse_coder", "enc.weight", {("all_gather", "forward", 8 * 256): 1,
+                                            ("all_reduce", "backward", 8 * 256): 1,
+                                            ("all_gather", "forward", 8 * 16): 1}),
+            ("amax_ties", "up.weight", {("all_reduce", "forward", tokens): 3,
+                                        ("all_reduce", "backward", tokens): 1,
+                                        ("all_reduce", "forward", tokens * 32): 1}),
+            ("normalize", "up.weight", {("all_reduce", "forward", tokens): 1,
+                                        ("all_reduce", "backward", tokens): 1,
+                                        ("all_reduce", "forward", tokens * 32): 1}),
+            ("group_norm", "norm.weight", {("all_reduce", "forward", tokens * 32): 1})]:
+        model = split_dim_cases.build(name)
+        xs = split_dim_cases.example(4, 16) if name == "sparse_coder" else x
+        results = ranks.run(split_dim_cases.step, model, xs)
+        assert_equivalent(results, split_dim_cases.reference(model, xs))
+        assert all(r[3][split] == Shard(0) for r in results), name
+        assert all(_ledger(r[4]) == Counter(want) for r in results), name
+
+
+# --------------------------------------------------------------------------- split_dim_cases
+
+def _ledger(records) -> Counter:
+    return Counter((r.kind, r.direction, r.elements) for r in records)
+
+
+def _sharded_on_every_rank(results, weights: dict):
+    """Every rank holds ``weights`` (name -> Shard) split: its layout and its part's size."""
+    for layouts, grads in ((r[3], r[2]) for r in results):
+        for name, lay in weights.items():
+            assert layouts[name] == lay, name
+            assert grads[name].shape[lay.dim] * len(results) == \
+                results[0][5].param(name).global_shape[lay.dim], name
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("tp", [2, 4])
+def test_gather_move_keeps_a_wide_projection_sharded(tp):
+    """A sort (for a top-k) over a wide encoder's split features has no rule: the planner
+    all-gathers the encoder's output at the sort (backward: this rank's slice of the
+    gradient), keeping the encoder column parallel, as that moves fewer bytes than the
+    encoder's replicated weights and gradients cost. Every rank equals the unsharded
+    model; the ledger is the hand count; the choice records both costs by hand too."""
+    x = split_dim_cases.example(4, 16)  # 8 tokens, 16 -> 256 -> 16
+    t, n, d = 8, 256, 16
+    model = split_dim_cases.build("sparse_coder")
+    results = SimulatedRanks(tp).run(split_dim_cases.step, model, x)
+    assert_equivalent(results, split_dim_cases.reference(model, x))
+    _sharded_on_every_rank(results, {"enc.weight": Shard(0), "enc.bias": Shard(0)})
+    # the sort's input gathered (t*n), its latents' gradient summed by the decoder's f
+    # (t*n; the decoder opens on the replicated latents), its output gathered (t*d)
+    want = Counter({("all_gather", "forward", t * n): 1, ("all_reduce", "backward", t * n): 1,
+                    ("all_gather", "forward", t * d): 1})
+    for records in (r[4] for r in results):
+        assert _ledger(records) == want
+    plan = results[0][5]
+    assert [(c.purpose, c.kind, c.elements) for c in plan.collectives if c.purpose == "gather"] \
+        == [("gather", "all_gather", t * n)]
+    (c,) = plan.choices
+    assert (c.nodes, c.chosen, list(c.costs)) == (["sort"], "gathered", ["replicated", "gathered"])
+    enc, dec = n * d + n, d * n + d  # elements; 4 bytes each, twice with the gradient
+    assert c.costs["gathered"] == {"moved": 4 * (2 * t * n + t * d), "params": 8 * (enc + dec) // tp}
+    assert c.costs["replicated"] == {"moved": 4 * (t * n + t * d), "params": 8 * (enc + dec // tp)}
+    assert "*gathered" in plan.report()
+    assert 'class="choice-row" data-chosen="gathered"' in plan.to_html()
+    assert shardplan.Plan.from_json(plan.to_json()).choices == plan.choices
+    if tp == 2:  # neither export can spell it: the model's own sort would see one part
+        with pytest.raises(shardplan.LayoutError, match="enc.*all-gathered for an op"):
+            plan.to_hf_tp_plan(model=model)
+
+
+def test_gather_move_loses_to_replication_on_many_tokens():
+    """The same sparse coder with 2048 example tokens: gathering 2048 x 256 activations
+    costs more than holding the encoder whole, so the region stays replicated (equal)."""
+    model, x = split_dim_cases.build("sparse_coder"), split_dim_cases.example(256, 16, batch=8)
+    plan = shardplan.plan(model, 2, example_inputs=(x,))
+    (c,) = plan.choices
+    assert c.chosen == "replicated" and plan.param("enc.weight").layout == "R"
+    assert sum(c.costs["gathered"].values()) > sum(c.costs["replicated"].values())
+    assert plan.count(purpose="gather") == 0
+    assert shardplan.verify(model, 2, example_inputs=(x,)).ok
+
+
+# stat all-reduces (b*s each, forward) and f's (b*s each, backward) of each written-out
+# reduction over the split hidden dim, counted by hand
+_STATS = {
+    "var": (2, 2),  # mean; centred mean of squares (times n / (n - 1))
+    "std": (3, 3),  # the model's own mean; std's mean and mean of squares
+    "normalize": (1, 1),  # the sum of squares (its square root clamped, then divided by)
+    "layer_norm_2d": (2, 2),  # mean and variance over (4, 16)
+    "amax": (3, 1),  # max (by max), count of elements at it, their shared sum; its f
+    "amax_ties": (3, 1),
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", split_dim_cases.REDUCTIONS)
+def test_written_out_reductions_equal_on_every_rank(kind):
+    """var / std with a correction, F.normalize, a LayerNorm over two trailing dims and a
+    max with a gradient, each over the split hidden dim of an up/down MLP, at tp 2: every
+    rank equals the unsharded model (a max's gradient shared evenly among tied maxima,
+    across ranks, as torch shares it), the MLP stays column/row parallel, and each
+    rank's ledger is the hand count."""
+    x, tp, tokens = split_dim_cases.example(), 2, 12
+    model = split_dim_cases.build(kind)
+    results = SimulatedRanks(tp).run(split_dim_cases.step, model, x)
+    assert_equivalent(results, split_dim_cases.reference(model, x))
+    _sharded_on_every_rank(results, {"up.weight": Shard(0), "down.weight": Shard(1)})
+    stats, fs = _STATS[kind]
+    want = Counter({("all_reduce", "forward", tokens): stats, ("all_reduce", "backward", tokens): fs,
+                    ("all_reduce", "forward", tokens * 32): 1})  # + down's g
+    for records in (r[4] for r in results):
+        assert _ledger(records) == want
+    assert [c.chosen for c in results[0][5].choices] == ["distributed"]
+    if kind == "amax_ties":  # the maxima tie within and across the ranks' halves
+        h = model.up(x).clamp(max=0.2)
+        at_max = h == h.amax(-1, keepdim=True)
+        assert (at_max[..., :32].any(-1) & at_max[..., 32:].any(-1)).all()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("tp,groups,local", [(2, 4, True), (4, 4, True), (4, 2, False)])
+def test_group_norm_over_whole_groups_is_local(tp, groups, local):
+    """GroupNorm over the split hidden channels: each rank holding whole groups normalizes
+    them alone (groups / tp groups, its part of the weight and bias; no communication but
+    down's g); groups cut by the split (2 groups at tp 4) stop the region there, and
+    every rank still equals the unsharded model."""
+    x, tokens = split_dim_cases.example(), 12
+    model = split_dim_cases.build("group_norm", groups=groups)
+    results = SimulatedRanks(tp).run(split_dim_cases.step, model, x)
+    assert_equivalent(results, split_dim_cases.reference(model, x))
+    plan = results[0][5]
+    if local:
+        _sharded_on_every_rank(results, {"up.weight": Shard(0), "down.weight": Shard(1),
+                                         "norm.weight": Shard(0), "norm.bias": Shard(0)})
+        for records in (r[4] for r in results):
+            assert _ledger(records) == Counter({("all_reduce", "forward", tokens * 32): 1})
+    else:
+        assert plan.param("norm.weight").layout == "R"
+        assert [c.nodes for c in plan.choices] == [["group_norm"]]

@@ -437,6 +437,31 @@ def test_norm_over_a_split_dim_runs_distributed(tp):
     assert all(c.chosen == "distributed" for c in plan.choices)
 
 
+WRITTEN_OUT = ModelCfg(dim=16, vocab=32, loss=True, blocks=(
+    BlockCfg(attn=AttnCfg(heads=4, kv_heads=4, head_dim=4), mlp=MlpCfg(hidden=32, act="silu"),
+             twists=(("q", "normalize"), ("ffn", "amax_ties"))),
+    BlockCfg(attn=AttnCfg(heads=4, kv_heads=4, head_dim=4), mlp=MlpCfg(hidden=32, act="silu"),
+             twists=(("q", "layer_norm_2d"), ("ffn", "group_norm")))))
+
+
+def test_written_out_reductions_and_group_norm_stay_sharded():
+    """The fuzzer's F.normalize and LayerNorm over two trailing dims on the split queries,
+    a max with tied maxima and GroupNorm (2 groups) on the split FFN hidden dim, at tp 2:
+    verified on every rank, every attention and MLP GEMM still split, the reductions
+    distributed, GroupNorm local (one group per rank)."""
+    model, kw = build_model(WRITTEN_OUT), example_inputs(WRITTEN_OUT)
+    report = shardplan.verify(model, 2, example_inputs=kw)
+    assert report.ok, str(report)
+    plan = shardplan.plan(model, 2, example_inputs=kw)
+    for b in range(2):
+        for name in ("wq", "wk", "wv", "wo"):
+            assert plan.param(f"blocks.{b}.attn.{name}.weight").layout == \
+                ("S(1)" if name == "wo" else "S(0)"), (b, name)
+        assert plan.param(f"blocks.{b}.mlp.down.weight").layout == "S(1)"
+    assert [c.chosen for c in plan.choices] == ["distributed"] * 3
+    assert not plan.warnings
+
+
 EINSUM = ModelCfg(dim=16, vocab=32, blocks=(BlockCfg(
     attn=AttnCfg(heads=2, kv_heads=2, head_dim=2, qkv="fused", bias=True, kernel="einsum"),
     mlp=MlpCfg(hidden=16, act="swiglu", bias=False)),))

@@ -86,13 +86,15 @@ def test_a_kind_registered_from_outside_the_package_shards_through_its_op(tmp_pa
     torch.manual_seed(0)
     model, x = _FlipMLP(), torch.randn(2, 4, 8)
     without = shardplan.plan(model, 2, example_inputs=(x,))
-    assert without.param("up.weight").layout == "R"  # unknown op: the region stays replicated
-    assert any("aten.flip.default" in w for w in without.warnings)
+    # unknown op: the split activation is all-gathered for it (cheaper here than keeping
+    # the region replicated), down then runs column parallel on the whole value
+    assert without.param("up.weight").layout == "S(0)" and without.param("down.weight").layout == "S(0)"
+    assert [c.chosen for c in without.choices] == ["gathered"]
 
     rules = load_rules(_rule_file(tmp_path, 'flip = ["aten.flip.default"]'))
     plan = shardplan.plan(model, 2, example_inputs=(x,), rules=rules)
     assert plan.param("up.weight").layout == "S(0)" and plan.param("down.weight").layout == "S(1)"
-    assert plan.warnings == []
+    assert plan.warnings == [] and plan.count(purpose="gather") == 0
 
     want = model(x)
 

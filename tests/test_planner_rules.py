@@ -72,19 +72,27 @@ def test_reshape_follows_heads_through_a_symbolic_batch():
     assert map_reshape(Shard(1), [b, t, 8], [b * t, 8], 2)[0].startswith("reshape mixes")
 
 
-def test_region_that_cannot_close_stays_replicated():
-    """cumsum has no rule: its region stays replicated (a warning; an error under
-    strict), and stays correct."""
+def test_region_that_cannot_close_stays_replicated_or_gathers():
+    """cumsum has no rule: its region either stays replicated (a warning) or, where that
+    costs less, the split hidden activation is all-gathered at the cumsum (the gather
+    move: fc stays column parallel, no warning); an error under strict either way, and
+    correct on every rank."""
     torch.manual_seed(0)
     model = TinyLM(mlp_op="cumsum")
     results = _check(model, 2)
-    assert isinstance(results[0][3]["blocks.0.fc.weight"], shardplan.Replicate)
+    assert all(r[3]["blocks.0.fc.weight"] == shardplan.Shard(0) for r in results)
     assert isinstance(results[0][3]["blocks.0.wqkv.weight"], shardplan.Shard)  # attention unaffected
     idx = torch.zeros(2, 4, dtype=torch.long)
     p = shardplan.plan(model, 2, example_inputs=idx)
-    kept = [d for d in p.decisions if d.role == "replicated" and d.module == "blocks.0.fc"]
+    assert [c.chosen for c in p.choices if c.nodes == ["cumsum"]] == ["gathered"]
+    assert not p.warnings
+    # many tokens: gathering them costs more than holding fc whole
+    many = shardplan.plan(model, 2, example_inputs=torch.zeros(64, 16, dtype=torch.long))
+    assert [c.chosen for c in many.choices if "cumsum" in c.nodes[0]] == ["replicated"] * 2
+    assert many.count(purpose="gather") == 0
+    kept = [d for d in many.decisions if d.role == "replicated" and d.module == "blocks.0.fc"]
     assert kept and "cumsum" in kept[0].rule
-    assert any("blocks.0.fc" in w and "cumsum" in w for w in p.warnings)
+    assert any("blocks.0.fc" in w and "cumsum" in w for w in many.warnings)
     with pytest.raises(shardplan.LayoutError, match="cumsum"):
         shardplan.plan(model, 2, example_inputs=idx, strict=True)
 
@@ -188,8 +196,9 @@ def test_sdpa_mask_broadcasts_or_is_sliced_to_this_ranks_heads(tp, mask_shape):
 def test_sdpa_grouped_kv_heads_are_split_with_the_query_heads(tp, project_kv):
     """enable_gqa with 2 K/V heads for 4 query heads: at tp=2 each rank pairs its query
     heads with its K/V head (sliced when K/V are replicated). At tp=4 the K/V heads do not
-    split: projected ones are refused, replicated ones keep the attention replicated,
-    with a warning (an error under strict)."""
+    split: projected ones are refused; with replicated ones the attention runs replicated
+    on the queries all-gathered for it (cheaper here than holding wq whole; an error
+    under strict)."""
     torch.manual_seed(0)
     model, x = GroupedSDPA(project_kv), torch.randn(2, 5, 16)
     if tp == 4 and project_kv:
@@ -202,8 +211,8 @@ def test_sdpa_grouped_kv_heads_are_split_with_the_query_heads(tp, project_kv):
     if tp == 2:
         assert p.param("wq.weight").layout == "S(0)" and not p.warnings
         return
-    assert p.param("wq.weight").layout == "R"
-    assert any("wq" in w and "sharded factor 'h'" in w for w in p.warnings)
+    assert p.param("wq.weight").layout == "S(0)" and not p.warnings
+    assert [c.chosen for c in p.choices] == ["gathered"] and p.count(purpose="gather") == 1
     with pytest.raises(shardplan.LayoutError, match="sharded factor 'h'"):
         shardplan.plan(model, tp, example_inputs=x, strict=True)
 

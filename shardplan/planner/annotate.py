@@ -49,7 +49,7 @@ from .linear_chains import earlier_f, pass_partials
 from .reshape import keeps_last_dim
 from .split_params import split_parameter
 from .decompose import decomposable, decompose
-from .choices import DISTRIBUTED, REPLICATED, Choice, cost_of
+from .choices import ORDER, DISTRIBUTED, GATHERED, REPLICATED, Choice, cost_of
 from .rules import RuleSet
 from .transitions import Collective, Purpose, Transition, dtype_of, message
 
@@ -83,6 +83,8 @@ class Annotation:
     # on to where the tensor is smallest: an MoE layer's sum over the top-k)
     passed: set = field(default_factory=set)
     stopped: dict = field(default_factory=dict)  # op a region stopped at -> its openers
+    # op with no rule for a shard it reads (a fallback; all-gathering it would do) -> openers
+    blocked: dict = field(default_factory=dict)
     choices: list = field(default_factory=list)  # [choices.Choice], one per weighed region
 
     def read(self, node: fx.Node, consumer: fx.Node | None = None, path=None):
@@ -112,42 +114,68 @@ def annotate(gm: fx.GraphModule, tp: int, rules: RuleSet, *, strict: bool = Fals
     model) keeps replicated every opener whose weight it holds replicated:
     one model has one layout, however it is called.
 
-    A region stopped by a reduction over its split dim that the rules can run
-    distributed (a fused norm or softmax is written out first) is planned both
-    ways, and the cheaper kept (``choices``): stopped there with its openers
-    replicated (the plan without distributed reductions is the baseline), or
-    with the region's reductions distributed. ``distribute=False`` gives the
-    baseline alone (the graph unchanged).
+    A region stopped at an op that cannot run on its parts is planned up to three
+    ways, and the cheapest kept (``choices``): stopped there with its openers
+    replicated (the baseline: no distributed reduction, no gather), with the
+    region's reductions over the split dim distributed (where the rules can run
+    them so; a fused norm or softmax is written out first), or with the shard
+    all-gathered where the region stopped (``Purpose.GATHER``; not under sequence
+    parallelism). ``distribute=False`` gives the baseline alone (the graph unchanged).
 
     Sequence parallelism sums the gradients of per-token parameters (norm weights, row
     biases) in one all-reduce per block where ``cut_blocks`` (recomputation and FSDP run
     the graph block by block), else in one all-reduce per step, after the last of them.
     """
-    settle = lambda g, whole: _settle(g, tp, rules, strict, sequence_parallel, keep, whole)  # noqa: E731
+    settle = lambda g, whole, gather: _settle(  # noqa: E731
+        g, tp, rules, strict, sequence_parallel, keep, whole, gather)
     whole = _reductions(gm, rules)  # names of the reductions kept whole (all, to start)
-    ann = settle(gm, whole)
-    regions: dict = {}  # names of openers -> names of the reductions that stopped them
+    gather = frozenset()  # names of the ops whose split operands are all-gathered
+    ann = settle(gm, whole, gather)
+    regions: dict = {}  # names of openers -> names of the ops that stopped them
     for node, origins in ann.stopped.items() if distribute else ():
-        if node.name in whole or decomposable(node):
+        if _reduction(node, whole):
             regions.setdefault(frozenset(o.name for o in origins), set()).add(node.name)
+    for node, origins in ann.blocked.items() if distribute else ():
+        regions.setdefault(frozenset(o.name for o in origins), set()).add(node.name)
     choices = []
-    for origins, names in regions.items():
-        if not names <= {n.name for n in gm.graph.nodes}:
+    for origins, stops in regions.items():
+        nodes = {n.name: n for n in gm.graph.nodes}
+        if not stops <= nodes.keys():
             continue  # written out with an earlier region
-        alt, done, names = _distributed(gm, ann, settle, whole, names, origins)
-        if not done:
-            continue  # none can run distributed (a max that needs its gradient)
-        costs = {DISTRIBUTED: cost_of(alt), REPLICATED: cost_of(ann)}
-        chosen = DISTRIBUTED if costs[DISTRIBUTED].total <= costs[REPLICATED].total else REPLICATED
-        choices.append(Choice(done, chosen, costs))
+        alts = {}
+        names = {n for n in stops if _reduction(nodes[n], whole)}
+        done = ()
+        if names:
+            alt, done, names = _distributed(gm, ann, settle, whole, gather, names, origins)
+            if done:  # else none can run distributed (a max that needs its gradient)
+                alts[DISTRIBUTED] = alt
+        if not sequence_parallel and not names:
+            alt, gathered = _gathered(gm, ann, settle, whole, gather, stops, origins)
+            if alt is not None:
+                alts[GATHERED] = alt
+        if not alts:
+            continue
+        alts[REPLICATED] = ann
+        costs = {k: cost_of(a) for k, a in alts.items()}
+        chosen = min((k for k in ORDER if k in costs), key=lambda k: costs[k].total)
+        choices.append(Choice(done or tuple(n for n in gm.graph.nodes if n.name in stops),
+                              chosen, {k: costs[k] for k in ORDER if k in costs}))
         if chosen == DISTRIBUTED:  # the written-out graph becomes the model's
-            gm.graph = alt.gm.graph
-            alt.gm = gm
-            ann, whole = alt, whole - names
+            gm.graph = alts[chosen].gm.graph
+            alts[chosen].gm = gm
+            ann, whole = alts[chosen], whole - names
+        elif chosen == GATHERED:
+            ann, gather = alts[chosen], gather | gathered
     ann.choices = choices
     if not cut_blocks:
         ann.transitions = _bucket_grad_sums(ann.transitions, per_block=False)
     return ann
+
+
+def _reduction(node: fx.Node, whole: frozenset) -> bool:
+    """Is ``node`` a reduction the rules can run distributed (or a fused norm or softmax
+    written out in such)? There the choice is Megatron's: distributed or replicated."""
+    return node.name in whole or decomposable(node)
 
 
 def _reductions(gm: fx.GraphModule, rules: RuleSet) -> frozenset:
@@ -156,23 +184,26 @@ def _reductions(gm: fx.GraphModule, rules: RuleSet) -> frozenset:
                      and getattr(rules.reduce.get(op_name(n)), "distributed", None))
 
 
-def _distributed(gm, ann: Annotation, settle, whole: frozenset, names: set, origins: frozenset):
+def _distributed(gm, ann: Annotation, settle, whole: frozenset, gather: frozenset, names: set,
+                 origins: frozenset):
     """``ann`` with one region's reductions ``names`` distributed, on a copy of the graph
     (fused norms and softmaxes written out), with every further reduction that region
     then stops at (a norm's second mean, a softmax's sum after its max). Returns the
     annotation, the reductions it newly runs distributed, and the names enabled."""
     g = fx.GraphModule(gm, copy.deepcopy(gm.graph))
     before = {n.name for n, o in ann.outcomes.items() if o.role is Role.DISTRIBUTED}
+    grad = {n.name for n, needs in ann.requires_grad.items() if needs}
     while True:
-        fused = [n for n in g.graph.nodes if n.name in names and decomposable(n)]
+        fused = [n for n in g.graph.nodes if n.name in names
+                 and decomposable(n, n.args[0].name in grad)]
         if fused:
             decompose(g, fused)
         try:
-            alt = settle(g, whole - names)
+            alt = settle(g, whole - names, gather)
         except ShardplanError:  # not a plan at all this way: the baseline stands
             return None, (), names
         more = {n.name for n, o in alt.stopped.items()
-                if (n.name in whole or decomposable(n)) and {x.name for x in o} & origins} - names
+                if _reduction(n, whole) and {x.name for x in o} & origins} - names
         if not more:
             done = tuple(n for n, o in alt.outcomes.items()
                          if o.role is Role.DISTRIBUTED and n.name not in before)
@@ -180,8 +211,32 @@ def _distributed(gm, ann: Annotation, settle, whole: frozenset, names: set, orig
         names = names | more
 
 
-def _settle(gm, tp, rules, strict, sequence_parallel, keep, whole) -> Annotation:
-    """``annotate`` with the reductions ``whole`` kept from running distributed."""
+def _gathered(gm, ann: Annotation, settle, whole: frozenset, gather: frozenset, stops: set,
+              origins: frozenset):
+    """``ann`` with the shards read by ``stops`` (the ops one region stopped at)
+    all-gathered there, and at every further op that region then stops at, so that
+    its openers stay sharded. Returns the annotation and the ops gathered at, or None
+    where that gathers nothing or the openers stay replicated anyway (another conflict
+    holds them)."""
+    names = set(stops)
+    while True:
+        try:
+            alt = settle(gm, whole, gather | names)
+        except ShardplanError:  # not a plan at all this way: the baseline stands
+            return None, names
+        more = {n.name for n, o in alt.blocked.items()
+                if not _reduction(n, whole) and {x.name for x in o} & origins} - names
+        if not more:
+            held = {n.name for n in alt.disabled}
+            gathers = lambda a: sum(t.purpose is Purpose.GATHER for t in a.transitions)  # noqa: E731
+            useless = origins <= held or gathers(alt) == gathers(ann)
+            return (None if useless else alt), names
+        names = names | more
+
+
+def _settle(gm, tp, rules, strict, sequence_parallel, keep, whole, gather) -> Annotation:
+    """``annotate`` with the reductions ``whole`` kept from running distributed and the
+    shards read by the ops ``gather`` all-gathered for them."""
     params = dict(gm.named_parameters(remove_duplicate=False))
     # opener -> (reason, warn)
     disabled: dict = _kept_replicated(gm, rules, keep) if keep is not None else {}
@@ -189,9 +244,10 @@ def _settle(gm, tp, rules, strict, sequence_parallel, keep, whole) -> Annotation
     split: dict = {}  # a parameter held split, and each view of it -> (layout, parameter)
     seq_dims = sequence_dims(gm) if sequence_parallel else {}
     stopped: dict = {}
+    blocked: dict = {}
     while True:
         pas = _Pass(gm, tp, rules, params, disabled,
-                    {o: r for o, (r, _) in replicas.items()}, seq_dims, whole, split)
+                    {o: r for o, (r, _) in replicas.items()}, seq_dims, whole, split, gather)
         ann, conflicts = pas.run()
         wanted = {n: held for n, held in pas.wanted.items() if n not in split and
                   (keep is None or keep.get(held[1].target) == pas.wanted[held[1]][0])}
@@ -224,12 +280,14 @@ def _settle(gm, tp, rules, strict, sequence_parallel, keep, whole) -> Annotation
                                       "region replicated")
             if c.closes:
                 stopped.setdefault(c.node, frozenset(c.origins))
+            if c.gatherable:
+                blocked.setdefault(c.node, frozenset(c.origins))
             for o in c.origins:  # a fallback (warned) outranks a region that just does not close
                 if o not in disabled or (not c.closes and not disabled[o][1]):
                     disabled[o] = (f"{c.reason} at {describe(c.node)}", not c.closes)
         if retry:
             continue
-    ann.stopped = stopped
+    ann.stopped, ann.blocked = stopped, blocked
     ann.disabled = {n: why for n, (why, _) in disabled.items()}
     ann.warnings = [f"{describe(n)} kept replicated: {why}"
                     for n, (why, warn) in disabled.items() if warn]
@@ -302,9 +360,10 @@ def read_as(lay):
 
 class _Pass:
     def __init__(self, gm, tp, rules: RuleSet, params, disabled, replicas, seq_dims, whole,
-                 split):
+                 split, gather=frozenset()):
         self.gm, self.tp, self.rules, self.params, self.disabled = gm, tp, rules, params, disabled
         self.split = split  # a parameter held split, and its views -> (layout, parameter)
+        self.gather = gather  # names of ops whose split operands are all-gathered for them
         self.wanted: dict = {}  # the same, found needed by this pass, for the next
         self.grad: dict = {}
         self.ctx = Context(tp, rules, whole, self.grad)
@@ -360,6 +419,8 @@ class _Pass:
         outcome = self._unflattened(node, ins) or self._rule(node, ins)
         if outcome.conflict:
             outcome.conflict.origins = outcome.conflict.origins or origins
+            outcome.conflict.gatherable = not (outcome.conflict.divisibility or outcome.conflict.closes) \
+                and any(isinstance(self._read(a), Shard) for _, a in ins)
             self.conflicts.append(outcome.conflict)
             outcome = Outcome(replicated_like(node), rule="conflict")
         if viewed_parameter(node) is None and experts_view(node) is None:
@@ -440,6 +501,10 @@ class _Pass:
         """The rule's outcome; in sequence parallel, operands held on tokens are gathered
         where a region opens on them or where the op cannot run on tokens alone."""
         lays = {p: self._read(a) for p, a in ins}
+        if node.name in self.gather:  # the planner's gather move: the op runs on whole values
+            split = [p for p, lay in lays.items() if isinstance(lay, Shard)]
+            self.gathered.update({(node, p): (lays[p], Purpose.GATHER) for p in split})
+            lays = {p: R if p in split else lay for p, lay in lays.items()}
         tokens = [p for p, a in ins if isinstance(lays[p], Shard)
                   and lays[p].dim in self.seq_dims.get(a, ())]
         if not tokens:

@@ -1,13 +1,19 @@
 """choices: where the planner weighs one way of running a region against another.
 
-A reduction over a split dim (a norm over all heads) can run in distributed
-form (each rank reduces its part, the small result is all-reduced: a
-``stat`` transition) or stop its region (the region's openers stay
-replicated, today's move). ``annotate`` plans both, per region, and keeps
-the cheaper by ``Cost``: the bytes a training step moves between ranks (both
-passes, at the example's shapes) plus the bytes each rank holds for its
-parameters in that step, each with its gradient.
-A ``Choice`` records the decision and both costs for the plan and reports.
+A region that reaches an op that cannot run on its parts (a norm over all
+heads, a cumsum or sort over the split features) can stop there (its openers
+stay replicated: ``replicated``), run the op's reductions over the split dim
+in distributed form (each rank reduces its part, the small result is
+all-reduced: a ``stat`` transition; ``distributed``), or all-gather the shard
+for the op, which then runs replicated with everything after it, while the
+work upstream stays sharded (a ``gather`` transition; ``gathered``).
+``annotate`` plans each that applies, per region, and keeps the cheapest by
+``Cost``: the bytes a training step moves between ranks (both passes, at the
+example's shapes) plus the bytes each rank holds for its parameters in that
+step, each with its gradient. Ties go by ``ORDER``: distributed, then
+replicated (no new communication), then gathered.
+A ``Choice`` records the decision and every alternative's cost for the plan
+and reports.
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ import torch
 
 from .shards import local_shape
 
-DISTRIBUTED, REPLICATED = "distributed", "replicated"
+DISTRIBUTED, REPLICATED, GATHERED = "distributed", "replicated", "gathered"
+ORDER = (DISTRIBUTED, REPLICATED, GATHERED)  # the order of preference among equal costs
 
 
 @dataclass(frozen=True)
@@ -37,11 +44,11 @@ class Cost:
 
 @dataclass(frozen=True)
 class Choice:
-    """How the reductions ``nodes`` (over a split dim of one region) run."""
+    """How the ops ``nodes`` one region stopped at run."""
 
-    nodes: tuple  # fx.Node, the reductions in graph order
-    chosen: str  # DISTRIBUTED or REPLICATED
-    costs: dict  # alternative -> Cost
+    nodes: tuple  # fx.Node in graph order: the reductions run distributed, else the stops
+    chosen: str  # one of ORDER
+    costs: dict  # alternative -> Cost, in ORDER
 
 
 def cost_of(ann) -> Cost:

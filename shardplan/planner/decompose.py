@@ -1,18 +1,25 @@
-"""decompose: a fused norm or softmax over a split dim, written out in reductions the
-rules can distribute.
+"""decompose: a fused norm, softmax, variance or max over a split dim, written out in
+reductions the rules can distribute.
 
-``aten.layer_norm``, ``aten.rms_norm``, the softmaxes and logsumexp are one op each, so
-a split normalized dim stops the region at them. Written out they are made of
+``aten.layer_norm``, ``aten.rms_norm``, the softmaxes and logsumexp, ``var`` / ``std``,
+``linalg_vector_norm`` (``F.normalize``'s) and a max whose gradient is needed are one op
+each, so a split reduced dim stops the region at them. Written out they are made of
 reductions that run distributed (``kinds/reduce.py``) and elementwise ops:
-a norm of means (mean, centre, mean of squares, rsqrt, weight, bias), a
-softmax or logsumexp of a max and a sum (``exp(x - max) / sum``; the max of the detached
-input, a constant shift, so it needs no gradient). ``annotate`` rewrites only
-the ops whose region stopped there, in the captured graph, before planning
-again; the result equals the fused op (computed in float32 for half inputs,
-as the fused kernels do).
+a norm of means over its normalized (trailing) dims (mean, centre, mean of squares,
+rsqrt, weight, bias), a softmax or logsumexp of a max and a sum (``exp(x - max) / sum``;
+the max of the detached input, a constant shift, so it needs no gradient), a variance
+of the centred mean of squares times ``n / (n - correction)``, a 2-norm of a sum of
+squares, and a max with a gradient as ``sum(x * (x == m) / count)`` with ``m`` the max of
+the detached input and ``count`` how many elements equal it (over every rank): torch
+gives each tied maximum an equal share of the gradient, and so does this. ``annotate``
+rewrites only the ops whose region stopped there, in the captured graph, before planning
+again; the result equals the fused op (computed in float32 for half inputs, as the fused
+kernels do).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.fx as fx
@@ -23,18 +30,38 @@ aten = torch.ops.aten
 _KEEP = ("nn_module_stack", "stack_trace", "source_fn_stack", "from_node")
 
 
-def decomposable(node: fx.Node) -> bool:
-    """Can ``node`` be written out here (a softmax, or a norm over its last dim)?"""
+def decomposable(node: fx.Node, needs_grad: bool = False) -> bool:
+    """Can ``node`` be written out here (a softmax, a norm, a variance or a 2-norm over
+    static dims; a max, where its input ``needs_grad``)?"""
     name = op_name(node) if node.op == "call_function" else ""
-    return name in _SOFTMAXES or (name in _NORMS and len(args_of(node)["normalized_shape"]) == 1)
+    if name == "aten.amax.default":
+        return needs_grad
+    if name in _VARIANCES:
+        return _static(node, _dims(node, args_of(node).get("dim")))
+    if name == "aten.linalg_vector_norm.default":
+        args = args_of(node)
+        return args.get("ord", 2) == 2 and args.get("dtype") is None and \
+            _static(node, _dims(node, args.get("dim")))
+    return name in _SOFTMAXES or name in _NORMS
 
 
 def decompose(gm: fx.GraphModule, nodes) -> None:
-    """Replace each norm or softmax of ``nodes`` in ``gm`` by its written-out form."""
+    """Replace each op of ``nodes`` in ``gm`` by its written-out form."""
     for node in nodes:
-        _Writer(gm.graph, node).replace({**_NORMS, **_SOFTMAXES}[op_name(node)])
+        _Writer(gm.graph, node).replace(_WRITTEN[op_name(node)])
     gm.graph.lint()
     gm.recompile()
+
+
+def _dims(node: fx.Node, dims) -> list[int]:
+    """The reduced dims of ``node``'s input, non-negative (None: all)."""
+    rank = node.args[0].meta["val"].dim()
+    dims = range(rank) if dims is None else [dims] if isinstance(dims, int) else dims
+    return sorted(d % rank for d in dims)
+
+
+def _static(node: fx.Node, dims) -> bool:
+    return all(isinstance(node.args[0].meta["val"].shape[d], int) for d in dims)
 
 
 class _Writer:
@@ -75,10 +102,16 @@ def _affine(w: _Writer, y, args):
     return y
 
 
+def _normalized(args) -> list[int]:
+    """A norm's normalized dims: the last len(normalized_shape)."""
+    return list(range(-len(args["normalized_shape"]), 0))
+
+
 def _layer_norm(w: _Writer, x, args):
-    mean = w(aten.mean.dim, x, [-1], True)
+    dims = _normalized(args)
+    mean = w(aten.mean.dim, x, dims, True)
     xc = w(aten.sub.Tensor, x, mean)
-    var = w(aten.mean.dim, w(aten.mul.Tensor, xc, xc), [-1], True)
+    var = w(aten.mean.dim, w(aten.mul.Tensor, xc, xc), dims, True)
     y = w(aten.mul.Tensor, xc, w(aten.rsqrt.default, w(aten.add.Scalar, var, args["eps"])))
     return _affine(w, y, args)
 
@@ -87,7 +120,7 @@ def _rms_norm(w: _Writer, x, args):
     eps = args.get("eps")
     if eps is None:
         eps = torch.finfo(args["input"].meta["val"].dtype).eps
-    ms = w(aten.mean.dim, w(aten.mul.Tensor, x, x), [-1], True)
+    ms = w(aten.mean.dim, w(aten.mul.Tensor, x, x), _normalized(args), True)
     y = w(aten.mul.Tensor, x, w(aten.rsqrt.default, w(aten.add.Scalar, ms, eps)))
     return _affine(w, y, args)
 
@@ -117,7 +150,46 @@ def _shifted(w: _Writer, x, dim: int):
     return z, w(aten.sum.dim_IntList, w(aten.exp.default, z), [dim], True)
 
 
+def _variance(w: _Writer, x, args, root: bool = False):
+    dims = _dims(w.node, args.get("dim"))
+    n = math.prod(x.meta["val"].shape[d] for d in dims)
+    correction = args.get("correction")
+    if "unbiased" in args:  # var.dim / std.dim
+        correction = 1 if args["unbiased"] else 0
+    correction = 1 if correction is None else correction
+    xc = w(aten.sub.Tensor, x, w(aten.mean.dim, x, dims, True))
+    y = w(aten.mean.dim, w(aten.mul.Tensor, xc, xc), dims, True)
+    if correction:
+        y = w(aten.mul.Scalar, y, n / (n - correction) if n > correction else math.inf)
+    if root:
+        y = w(aten.sqrt.default, y)
+    return y if args.get("keepdim") else w(aten.squeeze.dims, y, dims)
+
+
+def _std(w: _Writer, x, args):
+    return _variance(w, x, args, root=True)
+
+
+def _vector_norm(w: _Writer, x, args):
+    dims = _dims(w.node, args.get("dim"))
+    y = w(aten.sqrt.default, w(aten.sum.dim_IntList, w(aten.mul.Tensor, x, x), dims, True))
+    return y if args.get("keepdim") else w(aten.squeeze.dims, y, dims)
+
+
+def _amax(w: _Writer, x, args):
+    dims = _dims(w.node, args.get("dim"))
+    top = w(aten.amax.default, w(aten.detach.default, x), dims, True)
+    hit = w(aten._to_copy.default, w(aten.eq.Tensor, x, top), dtype=x.meta["val"].dtype)
+    share = w(aten.div.Tensor, hit, w(aten.sum.dim_IntList, hit, dims, True))
+    y = w(aten.sum.dim_IntList, w(aten.mul.Tensor, x, share), dims, True)
+    return y if args.get("keepdim") else w(aten.squeeze.dims, y, dims)
+
+
+_VARIANCES = {"aten.var.correction": _variance, "aten.var.dim": _variance,
+              "aten.std.correction": _std, "aten.std.dim": _std}
 _NORMS = {"aten.layer_norm.default": _layer_norm, "aten.rms_norm.default": _rms_norm}
 _SOFTMAXES = {"aten._softmax.default": _softmax, "aten.softmax.int": _softmax,
               "aten._log_softmax.default": _log_softmax, "aten.log_softmax.int": _log_softmax,
               "aten.logsumexp.default": _logsumexp}
+_WRITTEN = {**_NORMS, **_SOFTMAXES, **_VARIANCES, "aten.amax.default": _amax,
+            "aten.linalg_vector_norm.default": _vector_norm}

@@ -70,12 +70,12 @@ class Decision(BaseModel):
 
 
 class ChoiceEntry(BaseModel):
-    """How the reductions over one region's split dim run, and what each way costs."""
+    """How the ops one region stopped at run, and what each way costs."""
 
     nodes: list[str]
     module: str
     source: str | None = None
-    chosen: str  # "distributed" | "replicated"
+    chosen: str  # "distributed" | "replicated" | "gathered"
     #: alternative -> {"moved": bytes per step (example inputs), "params": bytes per rank},
     #: of the captured graph
     costs: dict[str, dict[str, int]]
@@ -107,8 +107,9 @@ class Plan(BaseModel):
         default=False, description="activations between the regions held on 1/tp of the "
                                    "sequence (decisions with sequence=True)")
     choices: list[ChoiceEntry] = Field(
-        default=[], description="regions reaching a reduction over their split dim: run it "
-                                "distributed or keep the region replicated, the cheaper kept")
+        default=[], description="regions reaching a reduction over their split dim or an op "
+                                "with no rule for their parts: run it distributed, keep the "
+                                "region replicated or gather the shard there, the cheapest kept")
 
     def count(self, **match) -> int:
         return sum(1 for c in self.collectives

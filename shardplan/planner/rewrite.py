@@ -158,8 +158,8 @@ class _Rewriter:
             elif t.purpose is Purpose.SEQ_GATHER:
                 mod = self._module("seq_gather",
                                    GatherSequence(self.group, t.before.dim, self._site(t.src)))
-            elif t.purpose is Purpose.SEQ_UNSHARD:
-                mod = self._module("seq_unshard", GatherShard(
+            elif t.purpose in (Purpose.SEQ_UNSHARD, Purpose.GATHER):
+                mod = self._module(t.purpose.value, GatherShard(
                     self.group, t.before, t.messages[0][t.before.dim], self._site(t.src)))
             else:  # REPLICA_GRAD
                 mod = self._module("replica_sum", SumOverReplicas(

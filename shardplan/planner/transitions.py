@@ -21,6 +21,7 @@ purpose                 before -> after  forward      backward      Megatron
 ``SEQ_REGATHER``        S(seq) -> R    none         all_gather    linears keep the shard
 ``STAT``                P -> R         all_reduce   none          (distributed reduction)
                                        (_max for a max)
+``GATHER``              S(d) -> R      all_gather   local_slice   (a chosen gather)
 ======================  =============  ===========  ============  ==========
 
 (*) a split of a tensor that needs a gradient follows an ``F``, whose
@@ -44,7 +45,11 @@ so the gathered input is not held until backward (Megatron's choice).
 ``STAT`` is ``G`` for a reduction over a split dim (a norm's mean of squares
 over all heads): each rank reduces its part, and the small result (b*s
 numbers) is summed; where the whole statistic then meets the parts again,
-its gradient is summed by an ordinary ``F``.
+its gradient is summed by an ordinary ``F``. ``GATHER`` is the planner's third
+answer to an op that cannot run on the parts (``choices``): the shard is
+all-gathered there, so the work upstream stays sharded and the op and what
+follows run replicated, identical on every rank; backward each rank keeps
+its slice of that (identical) gradient.
 """
 
 from __future__ import annotations
@@ -97,6 +102,7 @@ class Purpose(StrEnum):
     SEQ_GRAD_BUCKET = "seq_grad_bucket"  # a step's (or block's) SEQ_GRAD parameters in one buffer
     SEQ_REGATHER = "seq_regather"  # a linear's gathered input gathered again in backward
     STAT = "stat"  # a reduction over a split dim: the ranks' partial results summed
+    GATHER = "gather"  # a shard all-gathered for an op that cannot run on the parts
 
 
 @dataclass(frozen=True)

@@ -134,6 +134,11 @@ def _analyse(plan, target: str, model=None) -> tuple[OrderedDict, list[ExportIss
     for c in plan.collectives:
         if c.purpose == "gather_output" and c.module in mods:
             mods[c.module].gathered = True
+        if c.purpose == "gather":  # the planner's gather move, inside the model's own code
+            issues.append(ExportIssue(c.module or "(model)", "S", "a split activation all-gathered "
+                                      f"for an op with no distributed form at {c.source or c.node}: "
+                                      "no module style spells it, and the model's own op would "
+                                      "run on this rank's part only"))
     if target == "dtensor" and getattr(plan, "sequence_parallel", False):
         for c in plan.collectives:
             if c.purpose in _SP_SPELLED or not str(c.purpose).startswith("seq_") or \

@@ -302,6 +302,9 @@ _PURPOSE = {
                                            "step, or of a block under recompute or FSDP"),
     "stat": ("stat", "distributed reduction: each rank reduces its part of a split dim, the small "
                      "result is all-reduced forward"),
+    "gather": ("gather·op", "all-gather of a split activation for an op with no distributed form "
+                            "(a chosen move): upstream stays sharded, the op runs replicated; "
+                            "backward keeps this rank's slice"),
 }
 
 
@@ -391,20 +394,24 @@ class _Page:
             f'{self.choices()}</section>')
 
     def choices(self) -> str:
-        """Reductions over a split dim: run distributed or the region kept replicated."""
+        """Ops a region stopped at (reductions over a split dim, ops with no distributed
+        form): run distributed, the region kept replicated, or the shard gathered there."""
         if not self.plan.choices:
             return ""
+        ways = ("distributed", "replicated", "gathered")
+        cost = lambda c, k: (f'{_e(human(c.costs[k]["moved"]))} + {_e(human(c.costs[k]["params"]))}'  # noqa: E731
+                             if k in c.costs else "—")
         rows = "".join(
             f'<tr class="choice-row" data-chosen="{_e(c.chosen)}" title="{_e(c.source or "")}">'
             f'<td>{_e(c.module)}</td><td>{_e(", ".join(c.nodes))}</td><td><b>{_e(c.chosen)}</b></td>'
-            + "".join(f'<td class="num">{_e(human(c.costs[k]["moved"]))} + '
-                      f'{_e(human(c.costs[k]["params"]))}</td>' for k in ("distributed", "replicated"))
+            + "".join(f'<td class="num">{cost(c, k)}</td>' for k in ways)
             + '</tr>' for c in self.plan.choices)
-        return ('<h3>Reductions over a split dim</h3>'
+        return ('<h3>Reductions and other ops over a split dim</h3>'
                 '<div class="muted small">cost of each way: bytes moved per step + parameter bytes '
-                'per rank (captured graph); the cheaper is kept</div>'
-                '<table class="choices"><thead><tr><th>module</th><th>reductions</th><th>chosen</th>'
-                '<th class="num">distributed</th><th class="num">replicated</th></tr></thead>'
+                'per rank (captured graph); the cheapest is kept (ties: distributed, replicated, '
+                'gathered)</div>'
+                '<table class="choices"><thead><tr><th>module</th><th>ops</th><th>chosen</th>'
+                + "".join(f'<th class="num">{w}</th>' for w in ways) + '</tr></thead>'
                 f'<tbody>{rows}</tbody></table>')
 
     @staticmethod

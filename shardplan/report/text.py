@@ -55,9 +55,10 @@ def render_text(plan, width: int = 100) -> str:
 
 
 def _choices(plan, width: int) -> list[str]:
-    """Reductions over a split dim: distributed or the region kept replicated, with costs."""
-    lines = ["\nreductions over a split dim (*chosen; cost: bytes moved per step + parameter "
-             "bytes per rank):"]
+    """Ops a region stopped at: distributed, the region kept replicated, or the shard
+    gathered there, with costs."""
+    lines = ["\nreductions and other ops over a split dim (*chosen; cost: bytes moved per step + "
+             "parameter bytes per rank; ties: distributed, replicated, gathered):"]
     rows = [(c.module or "(top level)", c) for c in plan.choices]
     for title, group in _collapse(rows):
         lines.append(f"  {title}")
