@@ -27,7 +27,7 @@ from .planner.rewrite import bind, gather_params, rewrite
 from .planner.rules import RuleSet
 from .runtime.comm import Group
 from .runtime.graph_ops import ModelParallelRNG
-from .runtime import onednn
+from .runtime.onednn import OneDnnGemms
 from .runtime.overlap import OverlapCollectives
 from .runtime.passes import PostGradPasses
 from .runtime.random import tracker_for
@@ -374,8 +374,8 @@ def compile_graph(gm: fx.GraphModule, backend: str) -> list[nn.Module]:
     # forward and input-gradient GEMMs run on oneDNN (runtime/onednn.py); each
     # collective overlaps the compute that does not need it (runtime/overlap.py), in
     # the order that pass leaves (inductor's peak-memory reordering would undo it)
-    passes = ((onednn.OneDnnGemms(),) if onednn.available() else ()) + (OverlapCollectives(),)
-    options = ({"fallback_random": True, "post_grad_custom_post_pass": PostGradPasses(*passes),
+    passes = PostGradPasses(OneDnnGemms(), OverlapCollectives())
+    options = ({"fallback_random": True, "post_grad_custom_post_pass": passes,
                 "reorder_for_peak_memory": False} if backend == "inductor" else None)
     for unit in units or [gm]:
         unit.compile(fullgraph=True, backend=backend, options=options)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from shardplan.runtime.onednn import onednn_gemms
+from shardplan.runtime.onednn import OneDnnGemms, onednn_gemms
 
 aten = torch.ops.aten
 ONEDNN = torch.ops.shardplan.onednn_mm.default
@@ -68,3 +68,20 @@ def test_the_op_is_the_gemm():
     for b in (w, w.t().contiguous().t()):
         torch.testing.assert_close(ONEDNN(a, b), a @ b, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(ONEDNN(a, b, bias), a @ b + bias, atol=1e-5, rtol=1e-5)
+
+
+def test_switched_off_keeps_mkl():
+    """``torch.backends.mkldnn`` switched off while inductor compiles: the pass
+    leaves the graph alone, and says so in its cache key."""
+    x, w = torch.randn(4, 3), torch.randn(2, 3)
+    gm = make_fx(lambda x, w: aten.mm.default(x, aten.t.default(w)), tracing_mode="fake")(x, w)
+    on = OneDnnGemms().uuid()
+    torch.backends.mkldnn.enabled = False
+    try:
+        OneDnnGemms()(gm.graph)
+        assert OneDnnGemms().uuid() != on
+    finally:
+        torch.backends.mkldnn.enabled = True
+    assert targets(gm) == [aten.mm.default]
+    OneDnnGemms()(gm.graph)
+    assert targets(gm) == [ONEDNN]

@@ -42,7 +42,8 @@ def _static_fp32_cpu(node) -> bool:
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
     return (isinstance(val, torch.Tensor) and val.dtype == torch.float32
             and val.device.type == "cpu"
-            and all(isinstance(s, int) for s in (*val.shape, *val.stride())))
+            and all(isinstance(s, int) for s in (*val.shape, *val.stride()))
+            and val.numel() > 0)
 
 
 def _operands(node: fx.Node):
@@ -77,16 +78,19 @@ def onednn_gemms(graph: fx.Graph) -> int:
     return moved
 
 
-class OneDnnGemms(CustomGraphPass):
-    """Inductor's post-grad pass form of ``onednn_gemms``."""
-
-    def __call__(self, graph: fx.Graph) -> None:
-        onednn_gemms(graph)
-
-    def uuid(self) -> bytes:
-        return get_hash_for_files((__file__,))
-
-
 def available() -> bool:
     """torch has oneDNN and it is not switched off (``torch.backends.mkldnn``)."""
     return torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+
+
+class OneDnnGemms(CustomGraphPass):
+    """Inductor's post-grad pass form of ``onednn_gemms``, where ``available()`` while
+    inductor compiles."""
+
+    def __call__(self, graph: fx.Graph) -> None:
+        if available():
+            onednn_gemms(graph)
+
+    def uuid(self) -> bytes:
+        """Inductor's cache key: this file, and whether the pass rewrites."""
+        return get_hash_for_files((__file__,)) + bytes([available()])
