@@ -27,7 +27,9 @@ from .planner.rewrite import bind, gather_params, rewrite
 from .planner.rules import RuleSet
 from .runtime.comm import Group
 from .runtime.graph_ops import ModelParallelRNG
+from .runtime.onednn import OneDnnGemms
 from .runtime.overlap import OverlapCollectives
+from .runtime.passes import PostGradPasses
 from .runtime.random import tracker_for
 from .runtime.region_random import DRAWS
 from .planner.shards import local_tensors
@@ -352,7 +354,8 @@ def compile_graph(gm: fx.GraphModule, backend: str) -> list[nn.Module]:
     dynamic on the first call with other sizes (one recompile). Dropout draws the
     masks eager draws: the model-parallel stream through ``region_random``, the
     replicated one through torch's generator (inductor's ``fallback_random``). Under
-    inductor each collective overlaps the compute that does not need it
+    inductor the forward and input-gradient GEMMs run on oneDNN (``runtime.onednn``)
+    and each collective overlaps the compute that does not need it
     (``runtime.overlap``)."""
     fork = [name for name, m in gm.named_modules()
             if isinstance(m, ModelParallelRNG) and not m.traceable]
@@ -368,9 +371,11 @@ def compile_graph(gm: fx.GraphModule, backend: str) -> list[nn.Module]:
               if isinstance(m, OwnedPiece) and not isinstance(m.piece, Recomputed)]
     # inductor draws replicated-stream dropout from its own generator unless told to call
     # torch's: with the fallback a compiled model draws the masks an eager one draws;
-    # each collective overlaps the compute that does not need it (runtime/overlap.py), in
+    # forward and input-gradient GEMMs run on oneDNN (runtime/onednn.py); each
+    # collective overlaps the compute that does not need it (runtime/overlap.py), in
     # the order that pass leaves (inductor's peak-memory reordering would undo it)
-    options = ({"fallback_random": True, "post_grad_custom_post_pass": OverlapCollectives(),
+    passes = PostGradPasses(OneDnnGemms(), OverlapCollectives())
+    options = ({"fallback_random": True, "post_grad_custom_post_pass": passes,
                 "reorder_for_peak_memory": False} if backend == "inductor" else None)
     for unit in units or [gm]:
         unit.compile(fullgraph=True, backend=backend, options=options)

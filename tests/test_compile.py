@@ -267,6 +267,7 @@ def dropout_step(ctx, name: str, backend: str, recompute, cache_dir: str | None 
                                               sharded.named_parameters()}
         if compiled:
             out["overlapped"] = any(map(overlaps_a_gemm, code))
+            out["onednn"] = any("torch.ops.shardplan.onednn_mm.default(" in c for c in code)
     draws = [m for m in sharded.graph_module.modules() if isinstance(m, ModelParallelRNG)]
     out["traced draws"] = len(draws) > 0 and all(m.traceable for m in draws)
     out["breaks"] = sum(counters["graph_break"].values())
@@ -339,7 +340,8 @@ def test_region_dropout_compiled_draws_the_eager_masks(real_ranks):
 def test_inductor(tmp_path):
     """Inductor: train-mode dropout (both streams) draws eager's masks (eval mode compiled
     is compared with the unsharded model under aot_eager above, on all four models), and
-    the gradients stay eager's with the collectives overlapped (runtime/overlap.py). Its
+    the gradients stay eager's with the collectives overlapped (runtime/overlap.py) and
+    the forward and input-gradient GEMMs on oneDNN (runtime/onednn.py). Its
     own pool: inductor's C++ compile on a loaded 2-core machine can outlast the shared
     pool's task timeout (it compiles into an empty cache, to read the code: 270 s was
     too short at load 20; the two ranks share that cache, so each kernel compiles once)."""
@@ -348,6 +350,8 @@ def test_inductor(tmp_path):
     assert_same_draws(ranks)
     # backward: a weight gradient's GEMM runs while its input gradient is all-reduced
     assert all(r["overlapped"] for r in ranks)
+    # forward and input-gradient GEMMs ran on oneDNN (runtime/onednn.py)
+    assert all(r["onednn"] for r in ranks)
 
 
 def refuse_simulated(ctx):
