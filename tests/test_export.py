@@ -309,9 +309,10 @@ QK_NORM = "read on this rank's part at"  # a q/k norm's partial gradient: DTenso
 GROUPED = "held by a group of"  # a fused multi-query QKV: K/V parts held by pairs of ranks
 DISTRIBUTED = "a reduction over the split dim run distributed"
 TIED = "no style places it here"
+GATHERED = "a split activation all-gathered for an op"  # the gather move (Mamba's conv)
 SPLIT = "the plan reads a whole tensor as this rank's part"  # T5's position bias
 # refusals found in the model's own code name its source line
-AT_A_LINE = {CONSTANT, QK_NORM, DISTRIBUTED, SPLIT}
+AT_A_LINE = {CONSTANT, QK_NORM, DISTRIBUTED, SPLIT, GATHERED}
 SURVEY_EXPORTS = {
     "gpt2": ("Conv1D", "Conv1D"),
     "gptj": (EQUAL, EQUAL), "gpt_neox": (EQUAL, EQUAL),
@@ -327,7 +328,7 @@ SURVEY_EXPORTS = {
     "bart": (EQUAL, EQUAL), "gpt_bigcode": (GROUPED, GROUPED), "codegen": (EQUAL, EQUAL),
     "persimmon": (CONSTANT, QK_NORM), "mpt": (BLOCKED, BLOCKED), "qwen3": (EQUAL, QK_NORM),
     "deepseek_v3": ("no exported module owns it", EXPERTS), "dbrx": (BLOCKED, BLOCKED),
-    "gemma3_text": (EQUAL, QK_NORM), "deberta-v2": (TIED, TIED), "mamba": (BLOCKED, BLOCKED),
+    "gemma3_text": (EQUAL, QK_NORM), "deberta-v2": (TIED, TIED), "mamba": (GATHERED, GATHERED),
     "xglm": (CONSTANT, CONSTANT), "gpt_neo": (CONSTANT, CONSTANT), "qwen3_moe": (EQUAL, EXPERTS),
     "olmoe": (DISTRIBUTED, DISTRIBUTED), "starcoder2": (EQUAL, EQUAL),
     "gpt_oss": ("planned with several roles", "planned with several roles"),
