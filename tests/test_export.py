@@ -351,6 +351,7 @@ def survey_exports(real_ranks, tmp_path_factory):
 
 @pytest.mark.real
 @pytest.mark.timeout(900)  # the first family's setup launches every family's exports
+@pytest.mark.xdist_group("survey-exports")  # one worker: the module fixture runs once
 @pytest.mark.parametrize("family", sorted(SURVEY_EXPORTS))
 def test_survey_family_exports_run_equal_or_are_refused_as_recorded(survey_exports, family):
     """The HF tp_plan (``from_pretrained(tp_plan=...)``) and the DTensor styles

@@ -158,7 +158,9 @@ def test_view_of_a_locally_sliced_attention_output(tp):
     assert report.ok, str(report)
     p = shardplan.plan(model, tp, example_inputs=x)
     assert p.param("wk.weight").layout == "S(0)" and p.param("wo.weight").layout == "S(1)"
-    assert p.param("wq.weight").layout == "R"  # softplus has no rule: warned, sliced at SDPA
+    # softplus has no rule: q is gathered there (cheaper than a whole wq) and sliced at SDPA
+    assert p.param("wq.weight").layout == "S(0)"
+    assert [c.chosen for c in p.choices] == ["gathered"]
 
 
 # --------------------------------------------------------------------------- outputs that do not split
