@@ -896,7 +896,7 @@ def _bucket_grad_sums(ts: list[Transition], per_block: bool = True) -> list[Tran
     groups: dict = {}
     for i, t in enumerate(ts):
         if t.purpose in (Purpose.SEQ_GRAD_BUCKET, Purpose.SEQ_GRAD):
-            block = _block_of_value(t.src) if per_block else ()
+            block = block_of(owner_name(t.src)) if per_block else ()
             if all(block_of(module_of(c)) == block for c, _ in t.consumers) or not per_block:
                 groups.setdefault((block, t.dtype), []).append(i)
     for key, idx in groups.items():  # the bucket runs before its first reader
@@ -917,9 +917,9 @@ def _bucket_grad_sums(ts: list[Transition], per_block: bool = True) -> list[Tran
     return [first.get(i, t) for i, t in enumerate(ts) if i not in dropped]
 
 
-def _block_of_value(node: fx.Node) -> tuple:
-    """The block of a parameter (by its name) or of an activation (by its module)."""
-    return block_of(node.target if node.op == "get_attr" else module_of(node))
+def owner_name(node: fx.Node) -> str:
+    """A parameter's name, or the module an activation is made in: where its block is."""
+    return node.target if node.op == "get_attr" else module_of(node)
 
 
 def block_of(name: str) -> tuple:

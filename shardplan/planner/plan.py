@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field
 
 from . import blocks
 from .capture import Captured, capture, has_repeated_blocks, module_of, source_of
-from .annotate import Annotation, annotate, block_of
+from .annotate import Annotation, annotate, block_of, owner_name
 from ..errors import CaptureError
 from .inputs import check_dtypes, check_model_arg, example_args
 from .kinds import Role
@@ -398,11 +398,10 @@ class _Stamp:
     def bucket(self, t: Transition) -> Transition:
         """``t``; a gradient bucket of several blocks (one per step) summing every block's
         members: a captured block's count once per block it stands for."""
-        name = lambda s: s.target if s.op == "get_attr" else module_of(s)  # noqa: E731
-        if t.purpose is not Purpose.SEQ_GRAD_BUCKET or len({block_of(name(s))
+        if t.purpose is not Purpose.SEQ_GRAD_BUCKET or len({block_of(owner_name(s))
                                                             for s in t.sources}) < 2:
             return t
-        n = sum(math.prod(message(s)) * len(self._names(name(s))) for s in t.sources)
+        n = sum(math.prod(message(s)) * len(self._names(owner_name(s))) for s in t.sources)
         return replace(t, messages=((n,),))
 
     def entries(self, items: list) -> list:
