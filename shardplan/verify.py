@@ -25,6 +25,7 @@ from .planner.inputs import check_dtypes, check_model_arg, check_token_ids, exam
 from .layouts import Partial, Shard
 from .ranks import SimulatedRanks
 from .planner.rules import load_rules
+from .planner.token_order import GATHERED_ORDER
 from .sharded import ShardedModule
 
 
@@ -192,7 +193,8 @@ class _Recorder(fx.Interpreter):
 
     def run_node(self, n):
         v = super().run_node(n)
-        self.values[n.name] = _detach(v)
+        if not n.meta.get(GATHERED_ORDER):  # its tokens are in the ranks' order, not the model's
+            self.values[n.name] = _detach(v)
         return v
 
 

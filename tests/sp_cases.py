@@ -61,7 +61,8 @@ def saved_bytes(fn):
 def step(ctx, model, args, kwargs, captured, sequence_parallel=True, loss_of=None,
          recompute=False):
     """One forward/backward of the sharded model on this rank: (output, loss, grads,
-    layouts, ledger records, plan, annotation, (saved-for-backward bytes, shapes))."""
+    layouts, ledger records, plan, annotation, (saved-for-backward bytes, shapes), the
+    modules run in the gathered token order)."""
     sharded = ShardedModule(copy.deepcopy(model), ctx.group, load_rules(), example=(args, kwargs),
                             gather_output=True, strict=False, captured=copy.deepcopy(captured),
                             sequence_parallel=sequence_parallel, recompute=recompute)
@@ -74,18 +75,25 @@ def step(ctx, model, args, kwargs, captured, sequence_parallel=True, loss_of=Non
     grads = {n: p.grad.clone() for n, p in sharded.named_parameters(remove_duplicate=False)
              if p.grad is not None}
     return (logits.detach(), loss.detach(), grads, sharded.layouts, ledger.records,
-            sharded.plan, sharded.annotation, saved)
+            sharded.plan, sharded.annotation, saved, stacked_modules(sharded))
+
+
+def stacked_modules(sharded) -> list[str]:
+    """The sequence-parallel modules of ``sharded``'s graph that run in the gathered
+    token order (``planner.token_order``)."""
+    return [n for n, m in sharded.graph_module.named_modules() if getattr(m, "stacked", False)]
 
 
 def real_step(ctx, name, args):
     """The bundled model ``name`` built on this rank, one sequence-parallel step: (output,
-    loss, grads, layouts, (kind, direction, elements) of each collective)."""
+    loss, grads, layouts, (kind, direction, elements) of each collective, the modules run
+    in the gathered token order)."""
     from shardplan.models import build
     from shardplan.planner.capture import capture
     torch.manual_seed(0)
     model = build(name).eval()
     r = step(ctx, model, args, {}, capture(model, args, {}))
-    return (*r[:4], [(c.kind, c.direction, c.elements) for c in r[4]])
+    return (*r[:4], [(c.kind, c.direction, c.elements) for c in r[4]], r[8])
 
 
 def hf_real_steps(ctx, kinds, b, t):

@@ -122,6 +122,47 @@ def test_reduce_scatter_to_sequence_and_gather_gradient(tp, b, s, h, seed):
                            ("all_gather", "backward", w.numel())]
 
 
+def gathered_order(t, tp, dim):
+    """``t`` with its positions along ``dim`` in the order a stacked all-gather leaves
+    them: the ``tp`` parts one after another."""
+    return torch.stack(t.chunk(tp, dim)).reshape(t.shape)
+
+
+def check_stacked_scatter(ctx, x, w):
+    """``reduce_scatter_to_sequence(stacked=True)`` along dim 1 of this rank's input,
+    backward ``(y * w_rank).sum()``."""
+    xr = x[ctx.rank].clone().requires_grad_()
+    with CommLedger() as led:
+        y = reduce_scatter_to_sequence(xr, ctx.group, dim=1, stacked=True)
+        (y * w[ctx.rank]).sum().backward()
+    return y.detach(), xr.grad, comm(led)
+
+
+def stacked_scatter_case(gen, tp, b, s, h):
+    """(inputs in the gathered order, upstream gradients, check(rank, y, grad, records))
+    against the sums written out in sequence order."""
+    x, w = randn(gen, tp, b, s * tp, h), randn(gen, b, s * tp, h)
+    stacked = torch.stack([gathered_order(x[r], tp, 1) for r in range(tp)])
+
+    def check(rank, y, grad, records):
+        close(y, x.sum(0).chunk(tp, 1)[rank])
+        close(grad, gathered_order(w, tp, 1))
+        assert records == [("reduce_scatter", "forward", w.numel()),
+                           ("all_gather", "backward", w.numel())]
+    return stacked, torch.stack(w.chunk(tp, 1)), check
+
+
+@SETTINGS
+@given(tp=TP, b=DIM, s=DIM, h=DIM, seed=SEED)
+def test_stacked_reduce_scatter_reads_the_gathered_order(tp, b, s, h, seed):
+    """Tokens in the order a stacked gather left them (dim 1, not the outermost): each
+    rank gets the same sum of its tokens as from the sequence order, and the gradient's
+    all-gather leaves them in the gathered order again."""
+    x, w, check = stacked_scatter_case(torch.Generator().manual_seed(seed), tp, b, s, h)
+    for rank, result in enumerate(SimulatedRanks(tp).run(check_stacked_scatter, x, w)):
+        check(rank, *result)
+
+
 def check_forward_only(ctx, x):
     """f forward and g backward are identities: they record nothing."""
     with CommLedger() as led:

@@ -21,7 +21,8 @@ from test_layers import (assert_vocab_embedding_matches, check_column_parallel,
 from runtime_helpers import assert_mlp_matches, comm
 from test_loss import check_vocab_cross_entropy, expected_ledger, make_case
 from test_loss import reference as ce_reference
-from test_mappings import _stack, check_forward_only, check_mapping, randn
+from test_mappings import (_stack, check_forward_only, check_mapping, check_stacked_scatter,
+                           gathered_order, randn, stacked_scatter_case)
 from test_random import check_dropout_replay, check_streams, draws
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(120)]
@@ -109,25 +110,28 @@ def _eq(actual, expected):
     assert actual == expected
 
 
-def check_gathered_linears(ctx, shards, weights, biases, grads, own_gather=True):
+def check_gathered_linears(ctx, shards, weights, biases, grads, own_gather=True,
+                           stacked=False):
     """Two linears of this rank's tokens (dim 1), backward ``sum(y_i * grads_i[rank])``:
     (outputs, the shard's gradient, weight and bias gradients, ledger). ``own_gather``:
     they gather the tokens themselves (``linears_on_gathered_sequence(None, ...)``), else
-    they read ``gather_from_sequence``'s output."""
+    they read ``gather_from_sequence``'s output. ``stacked``: outputs, and so the
+    gradients given, in the gathered token order."""
     from shardplan.runtime.mappings import gather_from_sequence, linears_on_gathered_sequence
     shard = shards[ctx.rank].clone().requires_grad_()
     ws = [w.clone().requires_grad_() for w in weights]
     bs = [b.clone().requires_grad_() for b in biases]
+    order = (lambda t: gathered_order(t, ctx.group.size, 1)) if stacked else (lambda t: t)
     with CommLedger() as led:
         x = None if own_gather else gather_from_sequence(shard, ctx.group, dim=1)
         ys = linears_on_gathered_sequence(x, shard, [t for wb in zip(ws, bs) for t in wb],
-                                          ctx.group, dim=1)
-        sum((y * g[ctx.rank]).sum() for y, g in zip(ys, grads)).backward()
+                                          ctx.group, dim=1, stacked=stacked)
+        sum((y * order(g[ctx.rank])).sum() for y, g in zip(ys, grads)).backward()
     return ([y.detach() for y in ys], shard.grad, [w.grad for w in ws], [b.grad for b in bs],
             comm(led))
 
 
-def _assert_gathered_linears(tp, per_rank, shards, weights, biases, grads):
+def _assert_gathered_linears(tp, per_rank, shards, weights, biases, grads, stacked=False):
     """Against the sums written out: x the gathered tokens, y_i = x W_i^T + b_i; the
     shard's gradient is this rank's tokens of the ranks' summed input gradients; the
     weights' gradients use the whole x (the backward re-gather); one all-gather forward,
@@ -137,7 +141,8 @@ def _assert_gathered_linears(tp, per_rank, shards, weights, biases, grads):
     grad_x = sum(g.matmul(w) for g, w in zip(grads, weights)).sum(0)  # every rank's, summed
     for r, (ys, dshard, dws, dbs, records) in enumerate(per_rank):
         for y, w, b in zip(ys, weights, biases):
-            close(y, x.matmul(w.t()) + b)
+            want = x.matmul(w.t()) + b
+            close(y, gathered_order(want, tp, 1) if stacked else want)
         close(dshard, grad_x.chunk(tp, 1)[r])
         for dw, db, g in zip(dws, dbs, grads):
             close(dw, g[r].reshape(-1, g.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1])))
@@ -156,10 +161,17 @@ def test_mappings_match_unsharded_math(real_ranks, tp):
                [randn(gen, n) for n in (4, 6)], [randn(gen, tp, B, S * tp, n) for n in (4, 6)])
     calls.append((check_gathered_linears, linears))
     calls.append((check_gathered_linears, (*linears, False)))
+    calls.append((check_gathered_linears, (*linears, True, True)))
+    stacked_x, stacked_w, stacked_check = stacked_scatter_case(gen, tp, B, S, H)
+    calls.append((check_stacked_scatter, (stacked_x, stacked_w)))
     calls.append((check_forward_only, (torch.ones(3, 4),)))
-    *results, gathered, gathered_apart, forward_only = run_batch(real_ranks(tp), calls)
+    *results, gathered, gathered_apart, gathered_stacked, scattered_stacked, forward_only = \
+        run_batch(real_ranks(tp), calls)
     _assert_gathered_linears(tp, gathered, *linears)
     _assert_gathered_linears(tp, gathered_apart, *linears)
+    _assert_gathered_linears(tp, gathered_stacked, *linears, stacked=True)
+    for rank, result in enumerate(scattered_stacked):
+        stacked_check(rank, *result)
     for (name, _, _, expect), per_rank in zip(cases, results):
         for rank, (y, dx, records) in enumerate(per_rank):
             try:

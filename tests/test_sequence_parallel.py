@@ -75,7 +75,17 @@ def test_bundled_equals_unsharded(name, tp):
     results = _run(model, args, {}, tp)
     _assert_equal(results, model, args)
     cfg = model.config
-    _assert_plan_shows_sequence(results[0][5], getattr(cfg, "n_layer", None) or cfg.n_layers)
+    layers = getattr(cfg, "n_layer", None) or cfg.n_layers
+    _assert_plan_shows_sequence(results[0][5], layers)
+    _assert_mlps_in_gathered_order([r[8] for r in results], layers)
+
+
+def _assert_mlps_in_gathered_order(per_rank, layers):
+    """On every rank each block's MLP (and only it: attention needs the sequence order)
+    runs on the tokens as the gather left them: its gathering linears and its scatter."""
+    for names in per_rank:
+        assert sum(n.startswith("tp_seq_linear") for n in names) == layers, names
+        assert sum(n.startswith("tp_seq_scatter") for n in names) == layers, names
 
 
 def _assert_plan_shows_sequence(plan, layers):
@@ -285,6 +295,8 @@ def test_real_gloo(real_ranks, name):
     results = real_ranks(2).run(real_step, name, args)
     _assert_equal(results, model, args)
     cfg = model.config
+    _assert_mlps_in_gathered_order([r[5] for r in results],
+                                   getattr(cfg, "n_layer", None) or cfg.n_layers)
     if name == "gpt-tiny":
         L, h = cfg.n_layer, cfg.n_embd
         want = [6 * h * L + 2 * h + T * h]

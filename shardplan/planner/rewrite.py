@@ -23,6 +23,7 @@ from .annotate import Annotation
 from .capture import module_of
 from .graph import args_of, op_name, operand, operands, replace_operand, set_arg, shape
 from .kinds import KINDS, Role
+from .token_order import keep_gathered_order
 from .transitions import Collective, Purpose, Transition
 from ..layouts import Shard
 from ..runtime.comm import Group
@@ -41,6 +42,7 @@ def rewrite(ann: Annotation, group: Group, *, gather_output: bool = True,
     gm, env = _copy(ann.gm)
     rw = _Rewriter(ann, group, gm, env)
     rw.run()
+    keep_gathered_order(gm)
     if gather_output:
         rw.gather_outputs()
     if device is not None:

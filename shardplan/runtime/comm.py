@@ -49,20 +49,35 @@ class Group:
             return t.clone()
         return self._all_reduce(t.contiguous(), op)
 
-    def all_gather(self, t: torch.Tensor, dim: int, *,
+    def all_gather(self, t: torch.Tensor, dim: int, *, stacked: bool = False,
                    direction: str = "none", site: str | None = None) -> torch.Tensor:
-        """Concatenate every rank's ``t`` along ``dim`` (rank order)."""
+        """Concatenate every rank's ``t`` along ``dim`` (rank order).
+
+        ``stacked``: the result has the concatenation's shape, but its elements are the
+        ranks' parts one after another (row-major), as the collective leaves them,
+        not interleaved into ``dim``'s order: no copy. Only what treats every position
+        of ``dim`` alike (a token-wise region) may read it so."""
+        dim = dim % t.dim()
+        if stacked:
+            return _concatenated_shape(self.all_gather(t.unsqueeze(0), 0, direction=direction,
+                                                       site=site), dim)
         if torch.compiler.is_dynamo_compiling():
-            return t.clone() if self.size == 1 else self._traced_all_gather(t, dim % t.dim())
+            return t.clone() if self.size == 1 else self._traced_all_gather(t, dim)
         self._log("all_gather", t.numel() * self.size, t.element_size(), direction, site)
         if self.size == 1:
             return t.clone()
-        return self._all_gather(t.contiguous(), dim % t.dim())
+        return self._all_gather(t.contiguous(), dim)
 
-    def reduce_scatter(self, t: torch.Tensor, dim: int, *,
+    def reduce_scatter(self, t: torch.Tensor, dim: int, *, stacked: bool = False,
                        direction: str = "none", site: str | None = None) -> torch.Tensor:
-        """Sum over the group, then keep this rank's slice of ``dim``."""
+        """Sum over the group, then keep this rank's slice of ``dim``.
+
+        ``stacked``: ``t``'s elements are the ranks' parts one after another, as an
+        ``all_gather(stacked=True)`` result's are (no copy to cut out each part)."""
         dim = dim % t.dim()
+        if stacked:
+            return self.reduce_scatter(stacked_parts(t, self.size, dim), 0, direction=direction,
+                                       site=site).squeeze(0)
         if torch.compiler.is_dynamo_compiling():
             return t.clone() if self.size == 1 else self._traced_reduce_scatter(t, dim)
         self._log("reduce_scatter", t.numel(), t.element_size(), direction, site)
@@ -74,21 +89,28 @@ class Group:
             return t.clone()
         return self._reduce_scatter(t.contiguous(), dim)
 
-    def all_gather_start(self, t: torch.Tensor, dim: int, *,
+    def all_gather_start(self, t: torch.Tensor, dim: int, *, stacked: bool = False,
                          direction: str = "none", site: str | None = None) -> Pending:
         """``all_gather``, running in the background where the backend can (gloo's worker
         thread, NCCL's stream) while this thread computes: ``wait()`` returns the result.
         ``t`` must not change before then."""
         dim = dim % t.dim()
+        if stacked:
+            return self.all_gather_start(t.unsqueeze(0), 0, direction=direction,
+                                         site=site).then(lambda x: _concatenated_shape(x, dim))
         if torch.compiler.is_dynamo_compiling() or self.size == 1:
             return Pending(self.all_gather(t, dim, direction=direction, site=site))
         self._log("all_gather", t.numel() * self.size, t.element_size(), direction, site)
         return self._all_gather_start(t.contiguous(), dim)
 
-    def reduce_scatter_start(self, t: torch.Tensor, dim: int, *,
+    def reduce_scatter_start(self, t: torch.Tensor, dim: int, *, stacked: bool = False,
                              direction: str = "none", site: str | None = None) -> Pending:
         """``reduce_scatter``, running in the background as ``all_gather_start`` does."""
         dim = dim % t.dim()
+        if stacked:
+            return self.reduce_scatter_start(stacked_parts(t, self.size, dim), 0,
+                                             direction=direction,
+                                             site=site).then(lambda x: x.squeeze(0))
         if torch.compiler.is_dynamo_compiling() or self.size == 1 or t.shape[dim] % self.size:
             return Pending(self.reduce_scatter(t, dim, direction=direction, site=site))
         self._log("reduce_scatter", t.numel(), t.element_size(), direction, site)
@@ -181,6 +203,15 @@ class Pending:
             self._group._checked(self._work.wait)
             self._work, self._result = None, self._result()
         return self._result
+
+    def then(self, fn) -> Pending:
+        """This collective, its result passed through ``fn`` (once it is done)."""
+        if self._work is None:
+            self._result = fn(self._result)
+        else:
+            result = self._result
+            self._result = lambda: fn(result())
+        return self
 
 
 _TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
@@ -296,6 +327,26 @@ def _stack(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
     """``t`` cut into ``n`` parts along ``dim``, stacked on a new dim 0 (contiguous)."""
     shape = (*t.shape[:dim], n, t.shape[dim] // n, *t.shape[dim + 1:])
     return t.reshape(shape).movedim(dim, 0).contiguous()
+
+
+def stacked_parts(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+    """``t``'s elements read as ``n`` parts of ``dim`` one after another, ``[n, *part]``
+    (a view of a contiguous ``t``), as ``all_gather(stacked=True)`` orders them."""
+    part = list(t.shape)
+    if part[dim] % n:
+        raise ConfigurationError(
+            f"stacked parts of dim {dim} with size {part[dim]} over {n} ranks",
+            fix="the scattered dimension must divide by the group size")
+    part[dim] //= n
+    return t.reshape(n, *part)
+
+
+def _concatenated_shape(parts: torch.Tensor, dim: int) -> torch.Tensor:
+    """``[n, *part]`` with the shape of the parts concatenated along ``dim``, its
+    elements left in order (the parts one after another): a view."""
+    shape = list(parts.shape[1:])
+    shape[dim] *= parts.shape[0]
+    return parts.reshape(shape)
 
 
 def _unstack(parts: torch.Tensor, dim: int) -> torch.Tensor:

@@ -57,15 +57,18 @@ class MaxOverRanks(nn.Module):
 
 class ScatterToSequence(nn.Module):
     """Sequence-parallel g: reduce-scatter along the sequence dim forward, all-gather
-    backward; a length tp does not divide is a ``ConfigurationError`` naming the fix."""
+    backward; a length tp does not divide is a ``ConfigurationError`` naming the fix.
+    ``stacked``: its input's tokens come in the ranks' order (``planner.token_order``)."""
 
     def __init__(self, group: Group, dim: int, site: str):
         super().__init__()
         self.group, self.dim, self.site = group, dim, site
+        self.stacked = False
 
     def forward(self, x):
         check_sequence(x.shape[self.dim], self.group.size, self.site)
-        return reduce_scatter_to_sequence(x, self.group, dim=self.dim, site=self.site)
+        return reduce_scatter_to_sequence(x, self.group, dim=self.dim, stacked=self.stacked,
+                                          site=self.site)
 
 
 class GatherSequence(nn.Module):
@@ -83,15 +86,17 @@ class GatherSequence(nn.Module):
 class LinearsOnGatheredSequence(nn.Module):
     """The linears reading one sequence-parallel f's output: they keep the shard for
     backward, all-gathered again there once for all of them (a tuple of outputs). With
-    ``x=None`` they are the gather's only readers and gather it themselves."""
+    ``x=None`` they are the gather's only readers and gather it themselves; ``stacked``:
+    leaving the tokens in the ranks' order (``planner.token_order``)."""
 
     def __init__(self, group: Group, dim: int, site: str):
         super().__init__()
         self.group, self.dim, self.site = group, dim, site
+        self.stacked = False
 
     def forward(self, x, shard, *weights_and_biases):
         return linears_on_gathered_sequence(x, shard, weights_and_biases, self.group,
-                                            dim=self.dim, site=self.site)
+                                            dim=self.dim, stacked=self.stacked, site=self.site)
 
 
 class SumGradients(nn.Module):

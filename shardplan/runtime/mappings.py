@@ -111,14 +111,14 @@ class _GatherFromSequence(torch.autograd.Function):
 
 class _ReduceScatterToSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, dim, site):
-        ctx.group, ctx.dim, ctx.site = group, dim, site
-        return group.reduce_scatter(x, dim, direction="forward", site=site)
+    def forward(ctx, x, group, dim, stacked, site):
+        ctx.group, ctx.dim, ctx.stacked, ctx.site = group, dim, stacked, site
+        return group.reduce_scatter(x, dim, stacked=stacked, direction="forward", site=site)
 
     @staticmethod
     def backward(ctx, grad):
-        return (ctx.group.all_gather(grad, ctx.dim, direction="backward", site=ctx.site),
-                None, None, None)
+        return (ctx.group.all_gather(grad, ctx.dim, stacked=ctx.stacked, direction="backward",
+                                     site=ctx.site), None, None, None, None)
 
 
 def _apply(fn, x: torch.Tensor, group, site: str | None, records, *args) -> torch.Tensor:
@@ -176,33 +176,35 @@ def gather_from_sequence(x: torch.Tensor, group, *, dim: int = 0,
                   (("all_gather", "forward", True), ("reduce_scatter", "backward", True)), dim)
 
 
-def reduce_scatter_to_sequence(x: torch.Tensor, group, *, dim: int = 0,
+def reduce_scatter_to_sequence(x: torch.Tensor, group, *, dim: int = 0, stacked: bool = False,
                                site: str | None = None) -> torch.Tensor:
     """Sum over ranks and keep this rank's slice of the sequence dim ``dim``; backward
-    all-gathers."""
+    all-gathers. ``stacked``: ``x``'s tokens are in the order a stacked gather left them
+    (``Group.all_gather``), and so is the gradient backward returns."""
     return _apply(_ReduceScatterToSequence, x, group, site,
-                  (("reduce_scatter", "forward", False), ("all_gather", "backward", False)), dim)
+                  (("reduce_scatter", "forward", False), ("all_gather", "backward", False)),
+                  dim, stacked)
 
 
 class _LinearsOnGatheredSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, shard, group, dim, site, *weights_and_biases):
+    def forward(ctx, x, shard, group, dim, stacked, site, *weights_and_biases):
         pairs = list(zip(weights_and_biases[::2], weights_and_biases[1::2]))
         ctx.save_for_backward(shard, *(w for w, _ in pairs))
-        ctx.group, ctx.dim, ctx.site = group, dim, site
+        ctx.group, ctx.dim, ctx.stacked, ctx.site = group, dim, stacked, site
         ctx.biases = [b is not None for _, b in pairs]
         ctx.gathers = x is None
         if ctx.gathers:
-            x = group.all_gather(shard, dim, direction="forward", site=site)
+            x = group.all_gather(shard, dim, stacked=stacked, direction="forward", site=site)
         return tuple(torch.nn.functional.linear(x, w, b) for w, b in pairs)
 
     @staticmethod
     def backward(ctx, *grads):
         shard, *weights = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        need_x, wb = needs[1] if ctx.gathers else needs[0], needs[5:]
+        need_x, wb = needs[1] if ctx.gathers else needs[0], needs[6:]
         need_w = any(wb[::2])
-        where = dict(direction="backward", site=ctx.site)
+        where = dict(stacked=ctx.stacked, direction="backward", site=ctx.site)
         # Megatron's overlap: the re-gather runs while the input's gradient is computed,
         # the input gradient's reduce-scatter while the weights' are
         regather = ctx.group.all_gather_start(shard, ctx.dim, **where) if need_w else None
@@ -217,12 +219,13 @@ class _LinearsOnGatheredSequence(torch.autograd.Function):
             out.append(g2.t().matmul(x.to(g.dtype)) if need_w else None)
             out.append(g2.sum(0) if need_b and bias else None)
         if ctx.gathers:
-            return (None, scatter and scatter.wait(), None, None, None, *out)
-        return (grad_x, None, None, None, None, *out)
+            return (None, scatter and scatter.wait(), None, None, None, None, *out)
+        return (grad_x, None, None, None, None, None, *out)
 
 
 def linears_on_gathered_sequence(x: torch.Tensor | None, shard: torch.Tensor, weights_and_biases,
-                                 group, *, dim: int, site: str | None = None) -> tuple:
+                                 group, *, dim: int, stacked: bool = False,
+                                 site: str | None = None) -> tuple:
     """``linear(x, w, b)`` for each ``(w, b)`` pair (``b`` may be None), where ``x`` is
     ``shard`` all-gathered along ``dim``: backward keeps ``shard`` (1/tp of the tokens)
     instead of ``x`` and all-gathers it once, when every output's gradient is ready, for
@@ -231,8 +234,12 @@ def linears_on_gathered_sequence(x: torch.Tensor | None, shard: torch.Tensor, we
     ``x=None``: the gather is done here (its only readers are these linears), and so is
     backward's reduce-scatter of ``x``'s gradient. Backward overlaps its collectives with
     its GEMMs as Megatron does: the re-gather runs while ``x``'s gradient is computed,
-    that gradient's reduce-scatter while the weights' are (``Group.all_gather_start``)."""
-    return _LinearsOnGatheredSequence.apply(x, shard, as_group(group), dim, _site(site),
+    that gradient's reduce-scatter while the weights' are (``Group.all_gather_start``).
+    ``stacked`` (only with ``x=None``): the gather leaves the tokens in the ranks' order
+    (``Group.all_gather``), so do the outputs, and so must their gradients come."""
+    if stacked and x is not None:
+        raise ValueError("stacked: the linears must gather the shard themselves (x=None)")
+    return _LinearsOnGatheredSequence.apply(x, shard, as_group(group), dim, stacked, _site(site),
                                             *weights_and_biases)
 
 
