@@ -6,6 +6,7 @@ generate`` on a Hugging Face folder. Their controls (the right rule set, plan wi
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -186,13 +187,24 @@ def _weights(step_dir: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.real
 @pytest.mark.timeout(300)
 def test_torchrun_resume_continues_the_uninterrupted_run(tmp_path):
-    """A 4-step run saving at step 2, then a run resumed from that step-2 checkpoint:
+    """A 4-step run saving every 2 steps (also the check of the training entry point under
+    torchrun), then a run resumed from its step-2 checkpoint:
     steps 3 and 4 print the same loss, lr and grad norm, and both write the same step-4
     weights and optimizer state. Dropout is on and the lr is high, so a resume that lost
     the RNG streams, the data position or the optimizer moments would show."""
     full_dir, resumed_dir = tmp_path / "full", tmp_path / "resumed"
-    full, _ = _torchrun(tmp_path, "--save", str(full_dir), "--save-every", "2")
+    full, out = _torchrun(tmp_path, "--save", str(full_dir), "--save-every", "2")
     assert sorted(full) == [1, 2, 3, 4]
+    # the entry point itself: torchrun's environment gives the default group, rank 0 alone
+    # logs, the data file is read, a checkpoint every 2 steps records the step, the data
+    # file and both RNG streams
+    lines = [line for line in out.splitlines() if STEP.match(line)]
+    assert len(lines) == 4 and "tok/s" in lines[0], out
+    assert "dp 1 x tp 2" in out
+    assert sorted(p.name for p in full_dir.iterdir()) == ["step-00000002", "step-00000004"]
+    extra = json.loads((full_dir / "step-00000004" / "index.json").read_text())["extra"]
+    assert extra["step"] == 4 and extra["data"]["tokens"] == (tmp_path / "text.txt").stat().st_size
+    assert set(extra["rng"]) == {"replicated", "model-parallel"}
     ck = full_dir / "step-00000002"
     assert ck.is_dir(), sorted(p.name for p in full_dir.iterdir())
     resumed, out = _torchrun(tmp_path, "--resume", str(ck), "--save", str(resumed_dir))

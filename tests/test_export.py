@@ -184,16 +184,21 @@ def test_hf_plan_for_llama_matches_transformers_own():
     tf = pytest.importorskip("transformers", reason="the [hf] extra is not installed")
     from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
 
-    cfg = tf.LlamaConfig(num_hidden_layers=3, hidden_size=64, num_attention_heads=4,
+    from shardplan.report.export import ModelCode
+
+    cfg = tf.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
                          num_key_value_heads=2, intermediate_size=96, vocab_size=128,
                          max_position_embeddings=64, use_cache=False)
     with torch.device("meta"):
         model = tf.LlamaForCausalLM(cfg)
-    plan = shardplan.plan(model, 2, example_inputs={
-        "input_ids": torch.zeros(2, 8, dtype=torch.long, device="meta")})
-    hf = to_hf_tp_plan(plan, model=model)
+    example = {"input_ids": torch.zeros(2, 8, dtype=torch.long, device="meta")}
+    plan = shardplan.plan(model, 2, example_inputs=example)
+    # one ModelCode for both exports: the plan's capture and one cut capture (the export
+    # made without one equals the shared one: test_both_exports_read_the_plans_capture_...)
+    code = ModelCode(model, example)
+    hf = to_hf_tp_plan(plan, model=model, code=code)
     assert hf == model.tp_plan  # lm_head colwise_gather_output, model.embed_tokens, model.layers.*
-    base = to_hf_tp_plan(plan, model=model, prefix="model")
+    base = to_hf_tp_plan(plan, model=model, prefix="model", code=code)
     assert {k: v for k, v in base.items() if k != "embed_tokens"} == dict(cfg.base_model_tp_plan)
     assert base["embed_tokens"] == "embedding_rowwise"
     assert set(hf.values()) <= set(ALL_PARALLEL_STYLES.keys())

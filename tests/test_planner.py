@@ -51,7 +51,9 @@ def configs(draw):
     return family, cfg, tp, b, t, sp
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow],
+# 17 examples: the fixed sample's 18th to 20th repeat its 16th and 17th (the padded Llama at
+# tp 4, with a one-token example) at other lengths and head counts
+@settings(max_examples=17, deadline=None, suppress_health_check=[HealthCheck.too_slow],
           derandomize=not RANDOM, database=None,
           phases=[Phase.explicit, Phase.reuse, Phase.generate])  # shrinking: minutes of exports
 @given(configs())

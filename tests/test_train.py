@@ -8,11 +8,7 @@ batches and short sequences, so the file stays well under two minutes.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -290,25 +286,6 @@ def test_factory_model_llama_tp4(real_ranks):
     rel_close(runs[0], want, 1e-5, "llama tp4 loss")
 
 
-@pytest.mark.real
-@pytest.mark.timeout(120)
-def test_torchrun_command_line(tmp_path):
-    """The real entry point: torchrun, the default group from its environment, a data file,
-    checkpoints, logging on rank 0 only, a clean exit."""
-    text = tmp_path / "text.txt"
-    text.write_bytes(b"the quick brown fox jumps over the lazy dog. " * 50)
-    ck = tmp_path / "ck"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "shardplan.train", "--tp", "2", "--steps", "4", "--batch-size", "2",
-           "--seq-len", "16", "--warmup", "1", "--data", str(text), "--save", str(ck),
-           "--save-every", "2", "--log-every", "1", "--device", "cpu"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=110, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    steps = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
-    assert len(steps) == 4 and "grad norm" in steps[0] and "tok/s" in steps[0], proc.stdout
-    assert "dp 1 x tp 2" in proc.stdout
-    assert sorted(p.name for p in ck.iterdir()) == ["step-00000002", "step-00000004"]
-    extra = json.loads((ck / "step-00000004" / "index.json").read_text())["extra"]
-    assert extra["step"] == 4 and extra["data"]["tokens"] == text.stat().st_size
-    assert set(extra["rng"]) == {"replicated", "model-parallel"}
+# The real entry point under torchrun (the default group from its environment, a data file,
+# checkpoints, logging on rank 0 only, a clean exit): the uninterrupted run of
+# test_cli_e2e.py's test_torchrun_resume_continues_the_uninterrupted_run, one launch for both.
