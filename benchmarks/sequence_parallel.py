@@ -16,7 +16,8 @@ summed bytes per step (forward and backward), by purpose.
 
 Time: two gloo processes (``RealRanks(2)``, one torch thread each), a step is
 forward, backward, AdamW step and zero_grad; each round runs one step of each
-contender (plain, SP, DTensor's hand-written sequence-parallel plan) in an order
+contender (plain, SP, SP with every region in sequence order, DTensor's
+hand-written sequence-parallel plan) in an order
 rotated every round, each after a barrier; a step's time is the slower rank's;
 ratios per round; shardplan's c10d calls timed per contender.
 """
@@ -160,7 +161,7 @@ def comm(sz: dict, tps) -> dict:
 # --------------------------------------------------------------------------------- time
 
 _STATE: dict = {}
-CONTENDERS = ("plain", "SP", "DTensor SP")
+CONTENDERS = ("plain", "SP", "SP in sequence order", "DTensor SP")
 
 
 def _setup(ctx, sz: dict) -> None:
@@ -182,8 +183,12 @@ def _setup(ctx, sz: dict) -> None:
             m, context = dtensor_plan.sequence_parallel(m, mesh), dtensor_plan.loss_context
         else:
             m = shardplan.parallelize(m, group=ctx.group, example_inputs=batch,
-                                      gather_output=False, sequence_parallel=name == "SP")
+                                      gather_output=False, sequence_parallel=name != "plain")
             context = contextlib.nullcontext
+        if name == "SP in sequence order":  # planner.token_order undone
+            for mod in m.graph_module.modules():
+                if getattr(mod, "stacked", False):
+                    mod.stacked = False
         _STATE[name] = (m, torch.optim.AdamW(m.parameters(), lr=1e-3), context)
     _time_collectives()
 
@@ -248,7 +253,8 @@ def timing(sz: dict, steps: int, warmup: int) -> dict:
     with RealRanks(2, timeout=600) as ranks:
         ranks.run(_setup, sz)
         for i in range(warmup + steps):
-            order = list(CONTENDERS[i % 3:] + CONTENDERS[:i % 3])  # rotated every round
+            k = i % len(CONTENDERS)
+            order = list(CONTENDERS[k:] + CONTENDERS[:k])  # rotated every round
             per_rank = ranks.run(_round, order)
             got = {name: max(r[name][0] for r in per_rank) for name in CONTENDERS}
             for name in CONTENDERS:
@@ -265,7 +271,7 @@ def timing(sz: dict, steps: int, warmup: int) -> dict:
     runs["collectives"] = {k: [sum(r[k][0] for r in spent) / len(spent) / steps,
                                spent[0][k][1] / steps] for k in spent[0]}
     runs["loss_diff"] = {name: max(abs(a - b) for a, b in zip(losses[name], losses["plain"]))
-                         for name in ("SP", "DTensor SP")}
+                         for name in CONTENDERS[1:]}
     return runs
 
 
@@ -357,6 +363,7 @@ def main(argv=None) -> int:
 
     ratio = [b / a for a, b in zip(runs["plain"], runs["SP"])]
     vs_dtensor = [b / a for a, b in zip(runs["DTensor SP"], runs["SP"])]
+    vs_order = [b / a for a, b in zip(runs["SP in sequence order"], runs["SP"])]
     mismatch = [f"{sz['name']} tp={tp} {NAME[sp]}: measured {m['per_block']:,} B, theory "
                 f"{block_theory(sz, tp, sp):,}"
                 for sz, mm in mem for (tp, sp), m in mm.items()
@@ -368,6 +375,8 @@ def main(argv=None) -> int:
         "| contender | step, ms: median (min–max) | SP / this per round |", "|---|---:|---:|",
         f"| plain | {spread([x * 1e3 for x in runs['plain']])} | {spread(ratio, _x3)} |",
         f"| SP | {spread([x * 1e3 for x in runs['SP']])} | |",
+        f"| SP in sequence order | {spread([x * 1e3 for x in runs['SP in sequence order']])} "
+        f"| {spread(vs_order, _x3)} |",
         f"| DTensor SP | {spread([x * 1e3 for x in runs['DTensor SP']])} "
         f"| {spread(vs_dtensor, _x3)} |"])
     verdict = "within" if med(ratio) <= 1.05 else "outside"
@@ -404,9 +413,9 @@ def main(argv=None) -> int:
         f"{steps} timed rounds):", "",
         ttab, "",
         f"SP / plain step time, median per round: {med(ratio):.3f}x ({verdict} the 1.05x goal); "
-        f"SP / DTensor SP: {med(vs_dtensor):.3f}x ({verdict_dt} the 0.75x goal). Largest loss "
-        f"difference over the rounds against plain: SP {runs['loss_diff']['SP']:.1e}, DTensor SP "
-        f"{runs['loss_diff']['DTensor SP']:.1e}.", "",
+        f"SP / DTensor SP: {med(vs_dtensor):.3f}x ({verdict_dt} the 0.75x goal); SP / SP in "
+        f"sequence order: {med(vs_order):.3f}x. Largest loss difference over the rounds against "
+        "plain: " + ", ".join(f"{n} {d:.1e}" for n, d in runs["loss_diff"].items()) + ".", "",
         "Time inside shardplan's collectives per step (mean of the two ranks; the c10d call "
         "each runs; waiting for the slower rank included; a call overlapped with compute "
         "counts its launch and the wait for it, not the time it ran behind the GEMMs):", "",
@@ -461,9 +470,12 @@ def main(argv=None) -> int:
         "each column GEMM's saved input shard (`seq_regather`), and the all-reduces of the "
         "gradients of per-token replicated parameters (`seq_grad`: norm weights and biases, row "
         "biases, position embedding).", "",
-        "**Time**: two gloo processes (`RealRanks(2)`, one torch thread each), three "
+        "**Time**: two gloo processes (`RealRanks(2)`, one torch thread each), four "
         "contenders built from the same weights and batch (the GPT with separate q, k, v, "
-        "which DTensor's styles need) with an AdamW each: plain, SP, and DTensor's own "
+        "which DTensor's styles need) with an AdamW each: plain, SP, SP in sequence order "
+        "(the same plan with `planner.token_order` undone: the MLPs' gathers put the tokens "
+        "back in sequence order and their reduce-scatters cut them out again, as before "
+        "it), and DTensor's own "
         "sequence-parallel plan written by hand (`benchmarks/dtensor_plan.py`, "
         "`sequence_parallel`: torchtitan's recipe, `SequenceParallel` norms, "
         "`PrepareModuleInput` from `Shard(1)`, column / row layers with `Shard(1)` "
