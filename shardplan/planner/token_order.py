@@ -27,10 +27,9 @@ aten = torch.ops.aten
 GATHERED_ORDER = "shardplan_gathered_order"
 
 
-def keep_gathered_order(gm: fx.GraphModule) -> int:
+def keep_gathered_order(gm: fx.GraphModule) -> None:
     """Mark every token-wise sequence-parallel region of ``gm`` to run in the order its
-    gather leaves the tokens; returns how many were marked."""
-    marked = 0
+    gather leaves the tokens."""
     for node in gm.graph.nodes:
         mod = _module(gm, node)
         if isinstance(mod, LinearsOnGatheredSequence) and node.args[0] is None:
@@ -41,8 +40,6 @@ def keep_gathered_order(gm: fx.GraphModule) -> int:
                     _module(gm, n).stacked = True
                 for n in inside:
                     n.meta[GATHERED_ORDER] = True
-                marked += 1
-    return marked
 
 
 def _module(gm: fx.GraphModule, node: fx.Node):
@@ -84,8 +81,8 @@ def _operands_fit(node: fx.Node, inside: set) -> bool:
     has no tokens: a linear's parameters, a bias-like operand whose dims but the last are
     1."""
     if node.target is aten.linear.default:
-        data, params = node.args[:1], [a for a in node.args[1:3] if a is not None]
-        return data[0] in inside and all(p.op == "get_attr" for p in params)
+        params = [a for a in node.args[1:3] if a is not None]
+        return node.args[0] in inside and all(p.op == "get_attr" for p in params)
     for a in [*node.args, *node.kwargs.values()]:
         if isinstance(a, fx.Node) and a not in inside and not _feature_only(a):
             return False

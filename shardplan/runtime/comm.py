@@ -76,7 +76,7 @@ class Group:
         ``all_gather(stacked=True)`` result's are (no copy to cut out each part)."""
         dim = dim % t.dim()
         if stacked:
-            return self.reduce_scatter(stacked_parts(t, self.size, dim), 0, direction=direction,
+            return self.reduce_scatter(_stacked_parts(t, self.size, dim), 0, direction=direction,
                                        site=site).squeeze(0)
         if torch.compiler.is_dynamo_compiling():
             return t.clone() if self.size == 1 else self._traced_reduce_scatter(t, dim)
@@ -108,7 +108,7 @@ class Group:
         """``reduce_scatter``, running in the background as ``all_gather_start`` does."""
         dim = dim % t.dim()
         if stacked:
-            return self.reduce_scatter_start(stacked_parts(t, self.size, dim), 0,
+            return self.reduce_scatter_start(_stacked_parts(t, self.size, dim), 0,
                                              direction=direction,
                                              site=site).then(lambda x: x.squeeze(0))
         if torch.compiler.is_dynamo_compiling() or self.size == 1 or t.shape[dim] % self.size:
@@ -329,7 +329,7 @@ def _stack(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
     return t.reshape(shape).movedim(dim, 0).contiguous()
 
 
-def stacked_parts(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+def _stacked_parts(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
     """``t``'s elements read as ``n`` parts of ``dim`` one after another, ``[n, *part]``
     (a view of a contiguous ``t``), as ``all_gather(stacked=True)`` orders them."""
     part = list(t.shape)
