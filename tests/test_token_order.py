@@ -1,9 +1,10 @@
 """Sequence-parallel regions run in the token order the all-gather leaves
 (``planner.token_order``): an MLP computes each token by itself, so its gather
-and its reduce-scatter skip putting the tokens back in sequence order. Every
-case is compared with the unsharded model (outputs and every gradient, every
-rank) and checks that the MLP was sharded; the order is kept only where every
-op between the gather and the scatter is token-wise.
+and its reduce-scatter skip putting the tokens back in sequence order; the
+embedding's reduce-scatter reads the lookup of the token ids put in that order.
+Every case is compared with the unsharded model (outputs and every gradient,
+every rank) and checks that the MLP was sharded; the order is kept only where
+every op between the gather and the scatter is token-wise.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import nn
 import shardplan
 from shardplan.layouts import Shard
 from shardplan.ranks import SimulatedRanks
+from shardplan.runtime.graph_ops import gathered_order
 
 B, T, H, V = 2, 8, 32, 64
 
@@ -54,8 +56,10 @@ class MLPBlock(nn.Module):
 def _rank(ctx, model, idx):
     sharded = shardplan.parallelize(copy.deepcopy(model), group=ctx.group, example_inputs=(idx,),
                                     sequence_parallel=True)
-    stacked = [n for n, m in sharded.graph_module.named_modules() if getattr(m, "stacked", False)]
-    return stacked, sharded.layouts["fc.weight"]
+    gm = sharded.graph_module
+    stacked = [n for n, m in gm.named_modules() if getattr(m, "stacked", False)]
+    permuted = [n.args[0].op for n in gm.graph.nodes if n.target is gathered_order]
+    return stacked, permuted, sharded.layouts["fc.weight"]
 
 
 @pytest.mark.parametrize("mlp,gathered_order", [
@@ -65,10 +69,13 @@ def test_mlp_keeps_the_gathered_order_only_when_token_wise(mlp, gathered_order):
     torch.manual_seed(0)
     model = MLPBlock(mlp)
     idx = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(1))
-    for stacked, layout in SimulatedRanks(2).run(_rank, model, idx):
+    for stacked, permuted, layout in SimulatedRanks(2).run(_rank, model, idx):
         assert isinstance(layout, Shard) and layout.dim == 0  # the MLP is column parallel
+        # the embedding's scatter always (its lookup reads the ids in the gathered order),
+        # the MLP's gathering linears and scatter where it is token-wise
         want = ["tp_seq_linear", "tp_seq_scatter"] if gathered_order else []
-        assert sorted(n.rsplit("_", 1)[0] for n in stacked) == want
+        assert sorted(n.rsplit("_", 1)[0] for n in stacked) == sorted(["tp_seq_scatter", *want])
+        assert permuted == ["placeholder"]  # the ids, not a wider MLP tensor
     report = shardplan.verify(model, 2, example_inputs=(idx,), sequence_parallel=True,
                               train=True, loss_fn=lambda o: o.square().mean())
     assert report.ok, report

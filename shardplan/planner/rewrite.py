@@ -42,7 +42,8 @@ def rewrite(ann: Annotation, group: Group, *, gather_output: bool = True,
     gm, env = _copy(ann.gm)
     rw = _Rewriter(ann, group, gm, env)
     rw.run()
-    keep_gathered_order(gm)
+    keep_gathered_order(gm, group.size, {node: ann.outcomes[orig].out
+                                         for orig, node in env.items() if orig in ann.outcomes})
     if gather_output:
         rw.gather_outputs()
     if device is not None:

@@ -10,16 +10,26 @@ gather left: ``keep_gathered_order`` marks its gather (the linears that gather
 their own input) and its reduce-scatters ``stacked``, and both copies go,
 forward and backward (``Group.all_gather(stacked=True)``). Regions with
 anything else (attention, reshapes, random ops) keep the sequence order.
+
+A reduce-scatter whose input is made token-wise from narrower tensors (a row
+linear reading attention's ``h/tp``-wide output; the vocab-parallel lookup
+reading the token ids) takes the gathered order too: those tensors are put in
+that order instead (``gathered_order``, a copy of fewer bytes than the
+scatter's), and the scatter skips its copy, forward and backward.
 """
 
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
 import torch.fx as fx
 
-from ..runtime.graph_ops import LinearsOnGatheredSequence, ScatterToSequence
+from ..layouts import Shard
+from ..runtime.graph_ops import (LinearsOnGatheredSequence, ScatterToSequence, VocabLookup,
+                                  gathered_order)
+from .shards import local_shape
 
 aten = torch.ops.aten
 
@@ -27,10 +37,12 @@ aten = torch.ops.aten
 GATHERED_ORDER = "shardplan_gathered_order"
 
 
-def keep_gathered_order(gm: fx.GraphModule) -> None:
+def keep_gathered_order(gm: fx.GraphModule, tp: int, layouts: dict) -> None:
     """Mark every token-wise sequence-parallel region of ``gm`` to run in the order its
-    gather leaves the tokens."""
-    for node in gm.graph.nodes:
+    gather leaves the tokens; then let every other scatter whose input is made token-wise
+    from narrower tensors read them in that order. ``layouts``: each node's layout (the
+    graph's shapes are the model's, a rank holds its shard of them)."""
+    for node in list(gm.graph.nodes):
         mod = _module(gm, node)
         if isinstance(mod, LinearsOnGatheredSequence) and node.args[0] is None:
             region = _token_wise_region(gm, node, mod.dim)
@@ -38,8 +50,16 @@ def keep_gathered_order(gm: fx.GraphModule) -> None:
                 inside, scatters = region
                 for n in [node, *scatters]:
                     _module(gm, n).stacked = True
-                for n in inside:
-                    n.meta[GATHERED_ORDER] = True
+                _mark(inside)
+    for node in list(gm.graph.nodes):
+        mod = _module(gm, node)
+        if isinstance(mod, ScatterToSequence) and not mod.stacked:
+            _feed_in_gathered_order(gm, node, mod, tp, layouts)
+
+
+def _mark(nodes) -> None:
+    for n in nodes:
+        n.meta[GATHERED_ORDER] = True
 
 
 def _module(gm: fx.GraphModule, node: fx.Node):
@@ -67,6 +87,72 @@ def _token_wise_region(gm, start: fx.Node, dim: int):
     return inside, scatters
 
 
+def _feed_in_gathered_order(gm, scatter: fx.Node, mod: ScatterToSequence, tp: int,
+                            layouts: dict) -> None:
+    """Run the token-wise ops producing ``scatter``'s input (those read by nothing else) on
+    their token-carrying inputs put in the gathered order, when those are narrower (per
+    token, on this rank) than the scatter's input."""
+    d = mod.dim
+
+    def width(v):  # elements a token, on this rank
+        return math.prod(local_shape(tuple(_val(v).shape), layouts.get(v), tp)[d + 1:])
+
+    def whole_tokens(v):  # every rank holds all of v's tokens
+        lay = layouts.get(v)
+        return not isinstance(lay, Shard) or lay.dim > d
+
+    tokens = _val(scatter.args[0]).shape[:d + 1]
+    inside, leaves, todo = set(), {}, [scatter.args[0]]
+    while todo:
+        v = todo.pop()
+        if v in inside or v in leaves:
+            continue
+        readers = {u for u in v.users if u.target is not aten.sym_size.int}
+        if _feeds_by_token(gm, v) and readers <= inside | {scatter}:
+            inside.add(v)
+            todo += [a for a in _data(gm, v) if not _feature_only(a)]
+        elif _val(v) is not None and _val(v).shape[:d + 1] == tokens and whole_tokens(v):
+            leaves[v] = width(v)
+        else:
+            return
+    if not inside or sum(leaves.values()) >= width(scatter.args[0]):
+        return
+    for leaf in leaves:
+        readers = [u for u in gm.graph.nodes if u in inside and leaf in u.all_input_nodes]
+        with gm.graph.inserting_before(readers[0]):
+            permuted = gm.graph.call_function(gathered_order, (leaf, tp, d, mod.site))
+        for u in readers:
+            u.replace_input_with(leaf, permuted)
+    mod.stacked = True
+    _mark(inside)
+
+
+def _feeds_by_token(gm, node: fx.Node) -> bool:
+    """Is ``node`` token-wise in its data operands (``_data``), whose gradients it also
+    gives back token by token: a linear of parameters, a pointwise op, the vocab-parallel
+    lookup of token ids?"""
+    if isinstance(_module(gm, node), VocabLookup):
+        return node.args[0].op == "get_attr"
+    if node.target is aten.linear.default:
+        return all(a.op == "get_attr" for a in node.args[1:3] if a is not None)
+    return node.target is not operator.getitem and _token_wise_op(node)
+
+
+def _data(gm, node: fx.Node) -> list[fx.Node]:
+    """The operands of a token-wise op that carry tokens (a lookup's ids, a linear's input,
+    a pointwise op's tensors)."""
+    if isinstance(_module(gm, node), VocabLookup):
+        return [node.args[1]]
+    if node.target is aten.linear.default:
+        return [node.args[0]]
+    return [a for a in [*node.args, *node.kwargs.values()] if isinstance(a, fx.Node)]
+
+
+def _val(node: fx.Node):
+    val = node.meta.get("val")
+    return val if isinstance(val, torch.Tensor) else None
+
+
 def _token_wise_op(node: fx.Node) -> bool:
     if node.op != "call_function":
         return False
@@ -90,5 +176,5 @@ def _operands_fit(node: fx.Node, inside: set) -> bool:
 
 
 def _feature_only(node: fx.Node) -> bool:
-    val = node.meta.get("val")
-    return isinstance(val, torch.Tensor) and all(s == 1 for s in val.shape[:-1])
+    val = _val(node)
+    return val is not None and all(s == 1 for s in val.shape[:-1])

@@ -110,6 +110,14 @@ class SumGradients(nn.Module):
         return sum_gradients(tensors, self.group, site=self.site)
 
 
+def gathered_order(x: torch.Tensor, tp: int, dim: int, site: str) -> torch.Tensor:
+    """``x`` with its positions along ``dim`` in the order a stacked all-gather leaves
+    them (the ``tp`` parts one after another; ``Group.all_gather(stacked=True)``), for
+    the sequence scatter at ``site``."""
+    check_sequence(x.shape[dim], tp, site)
+    return torch.stack(x.chunk(tp, dim)).reshape(x.shape)
+
+
 def check_sequence(length: int, tp: int, site: str) -> None:
     """Sequence parallelism holds length/tp tokens per rank: tp must divide the length."""
     if length % tp:
