@@ -114,6 +114,16 @@ def case_results(ctx, case, lengths=()):
     out["lengths"] = grown
     for compiled, sharded in whole.items():
         out["eval", compiled] = run_eval(sharded, kw)
+    if case == "gpt":  # and sequence parallel, whole
+        for compiled in (False, True):
+            counter = CountingBackend("aot_eager") if compiled else None
+            sp = ShardedModule(copy.deepcopy(model), ctx.group, load_rules(), example=((), kw),
+                               gather_output=True, strict=False, sequence_parallel=True,
+                               compile=counter or False, captured=copy.deepcopy(captured))
+            out[False, "sp", compiled] = run_once(sp, kw, loss_of)
+        out["sp", "graphs"] = counter.graphs
+        out["sp", "stacked"] = [n for n, m in sp.graph_module.named_modules()
+                                if getattr(m, "stacked", False)]
     out["breaks"] = sum(counters["graph_break"].values())
     out["layouts"] = sharded.layouts
     return out
@@ -188,6 +198,21 @@ def results(real_ranks):
 @pytest.mark.parametrize("case", CASES)
 def test_compiled_equals_eager_equals_unsharded(results, case, recompute):
     assert_equal(results(case), unsharded(case), (recompute, False), (recompute, True))
+
+
+@pytest.mark.timeout(300)
+def test_sequence_parallel_compiles_whole(results):
+    """The sequence-parallel graph compiles into one graph with no break, its stacked
+    collectives and token permutations (``planner.token_order``) included, and equals
+    eager and the unsharded model on every rank."""
+    ranks = results("gpt")
+    assert_equal(ranks, unsharded("gpt"), (False, "sp", False), (False, "sp", True))
+    for r in ranks:
+        assert r["sp", "graphs"] == 1 and r["breaks"] == 0
+        # the MLP gathers and scatters in the gathered order; attention's and the
+        # embedding's scatters read their inputs permuted into it
+        assert sorted(n.rsplit("_", 1)[0] for n in r["sp", "stacked"]) == \
+            ["tp_seq_linear"] + ["tp_seq_scatter"] * 3
 
 
 @pytest.mark.timeout(300)

@@ -239,7 +239,20 @@ def linears_on_gathered_sequence(x: torch.Tensor | None, shard: torch.Tensor, we
     (``Group.all_gather``), so do the outputs, and so must their gradients come."""
     if stacked and x is not None:
         raise ValueError("stacked: the linears must gather the shard themselves (x=None)")
-    return _LinearsOnGatheredSequence.apply(x, shard, as_group(group), dim, stacked, _site(site),
+    group = as_group(group)
+    if not torch.compiler.is_dynamo_compiling():
+        return _LinearsOnGatheredSequence.apply(x, shard, group, dim, stacked, _site(site),
+                                                *weights_and_biases)
+    site = site or "compiled"  # the collectives eager records, recorded here (see _apply)
+    grads = torch.is_grad_enabled()
+    for kind, direction, runs in (
+            ("all_gather", "forward", x is None),
+            ("all_gather", "backward", grads and any(w.requires_grad
+                                                     for w in weights_and_biases[::2])),
+            ("reduce_scatter", "backward", grads and x is None and shard.requires_grad)):
+        if runs:
+            ledger.traced(shard, kind, group.size, group.size, direction, site)
+    return _LinearsOnGatheredSequence.apply(x, shard, group, dim, stacked, site,
                                             *weights_and_biases)
 
 
