@@ -168,6 +168,7 @@ def _setup(ctx, sz: dict) -> None:
     import contextlib
 
     import shardplan
+    from shardplan.planner.token_order import sequence_order
     from torch.distributed.device_mesh import init_device_mesh
 
     from . import dtensor_plan
@@ -182,13 +183,11 @@ def _setup(ctx, sz: dict) -> None:
         if name == "DTensor SP":
             m, context = dtensor_plan.sequence_parallel(m, mesh), dtensor_plan.loss_context
         else:
-            m = shardplan.parallelize(m, group=ctx.group, example_inputs=batch,
-                                      gather_output=False, sequence_parallel=name != "plain")
+            order = sequence_order() if name == "SP in sequence order" else contextlib.nullcontext()
+            with order:
+                m = shardplan.parallelize(m, group=ctx.group, example_inputs=batch,
+                                          gather_output=False, sequence_parallel=name != "plain")
             context = contextlib.nullcontext
-        if name == "SP in sequence order":  # planner.token_order undone
-            for mod in m.graph_module.modules():
-                if getattr(mod, "stacked", False):
-                    mod.stacked = False
         _STATE[name] = (m, torch.optim.AdamW(m.parameters(), lr=1e-3), context)
     _time_collectives()
 
@@ -473,9 +472,9 @@ def main(argv=None) -> int:
         "**Time**: two gloo processes (`RealRanks(2)`, one torch thread each), four "
         "contenders built from the same weights and batch (the GPT with separate q, k, v, "
         "which DTensor's styles need) with an AdamW each: plain, SP, SP in sequence order "
-        "(the same plan with `planner.token_order` undone: the MLPs' gathers put the tokens "
-        "back in sequence order and their reduce-scatters cut them out again, as before "
-        "it), and DTensor's own "
+        "(the same plan rewritten under `planner.token_order.sequence_order()`: every "
+        "gather puts the tokens back in sequence order and every reduce-scatter cuts them "
+        "out again, as before the gathered order), and DTensor's own "
         "sequence-parallel plan written by hand (`benchmarks/dtensor_plan.py`, "
         "`sequence_parallel`: torchtitan's recipe, `SequenceParallel` norms, "
         "`PrepareModuleInput` from `Shard(1)`, column / row layers with `Shard(1)` "

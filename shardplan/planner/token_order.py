@@ -20,6 +20,8 @@ scatter's), and the scatter skips its copy, forward and backward.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import operator
 
@@ -36,12 +38,27 @@ aten = torch.ops.aten
 #: ``node.meta`` key set on the nodes of a region run in the gathered order
 GATHERED_ORDER = "shardplan_gathered_order"
 
+_SEQUENCE_ORDER = contextvars.ContextVar("shardplan_sequence_order", default=False)
+
+
+@contextlib.contextmanager
+def sequence_order():
+    """Graphs rewritten inside keep every region in sequence order (what the gathered
+    order buys is measured against this: ``benchmarks.sequence_parallel``)."""
+    token = _SEQUENCE_ORDER.set(True)
+    try:
+        yield
+    finally:
+        _SEQUENCE_ORDER.reset(token)
+
 
 def keep_gathered_order(gm: fx.GraphModule, tp: int, layouts: dict) -> None:
     """Mark every token-wise sequence-parallel region of ``gm`` to run in the order its
     gather leaves the tokens; then let every other scatter whose input is made token-wise
     from narrower tensors read them in that order. ``layouts``: each node's layout (the
     graph's shapes are the model's, a rank holds its shard of them)."""
+    if _SEQUENCE_ORDER.get():
+        return
     for node in list(gm.graph.nodes):
         mod = _module(gm, node)
         if isinstance(mod, LinearsOnGatheredSequence) and node.args[0] is None:
