@@ -176,7 +176,8 @@ def _token_wise_op(node: fx.Node) -> bool:
     if node.target is operator.getitem or node.target is aten.linear.default:
         return True
     tags = getattr(node.target, "tags", ())
-    return torch.Tag.pointwise in tags and torch.Tag.nondeterministic_seeded not in tags
+    return (torch.Tag.pointwise in tags and torch.Tag.nondeterministic_seeded not in tags
+            and not node.target._schema.is_mutable)  # an in-place op: its input is seen
 
 
 def _operands_fit(node: fx.Node, inside: set) -> bool:
