@@ -118,6 +118,8 @@ def _feed_in_gathered_order(gm, scatter: fx.Node, mod: ScatterToSequence, tp: in
         lay = layouts.get(v)
         return not isinstance(lay, Shard) or lay.dim > d
 
+    if _val(scatter.args[0]) is None:  # a node made without a shape: leave it be
+        return
     tokens = _val(scatter.args[0]).shape[:d + 1]
     inside, leaves, todo = set(), {}, [scatter.args[0]]
     while todo:
@@ -151,8 +153,13 @@ def _feeds_by_token(gm, node: fx.Node) -> bool:
     if isinstance(_module(gm, node), VocabLookup):
         return node.args[0].op == "get_attr"
     if node.target is aten.linear.default:
-        return all(a.op == "get_attr" for a in node.args[1:3] if a is not None)
+        return _of_parameters(node)
     return node.target is not operator.getitem and _token_wise_op(node)
+
+
+def _of_parameters(linear: fx.Node) -> bool:
+    """Are a linear's weight and bias parameters (not tensors with tokens of their own)?"""
+    return all(a.op == "get_attr" for a in linear.args[1:3] if a is not None)
 
 
 def _data(gm, node: fx.Node) -> list[fx.Node]:
@@ -185,8 +192,7 @@ def _operands_fit(node: fx.Node, inside: set) -> bool:
     has no tokens: a linear's parameters, a bias-like operand whose dims but the last are
     1."""
     if node.target is aten.linear.default:
-        params = [a for a in node.args[1:3] if a is not None]
-        return node.args[0] in inside and all(p.op == "get_attr" for p in params)
+        return node.args[0] in inside and _of_parameters(node)
     for a in [*node.args, *node.kwargs.values()]:
         if isinstance(a, fx.Node) and a not in inside and not _feature_only(a):
             return False
