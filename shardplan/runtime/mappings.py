@@ -208,19 +208,29 @@ class _LinearsOnGatheredSequence(torch.autograd.Function):
         # Megatron's overlap: the re-gather runs while the input's gradient is computed,
         # the input gradient's reduce-scatter while the weights' are
         regather = ctx.group.all_gather_start(shard, ctx.dim, **where) if need_w else None
-        # under autocast forward ran in the grads' dtype; autograd casts the results back
-        grad_x = sum(g.matmul(w.to(g.dtype)) for g, w in zip(grads, weights)) if need_x else None
+        flat = [g.reshape(-1, g.shape[-1]) for g in grads]  # [tokens, out]
+        grad_x = (_input_grad(flat, weights).view(*grads[0].shape[:-1], shard.shape[-1])
+                  if need_x else None)
         x = regather.wait().reshape(-1, shard.shape[-1]) if need_w else None
         scatter = (ctx.group.reduce_scatter_start(grad_x, ctx.dim, **where)
                    if ctx.gathers and need_x else None)
         out = []
-        for g, need_w, need_b, bias in zip(grads, wb[::2], wb[1::2], ctx.biases):
-            g2 = g.reshape(-1, g.shape[-1])
-            out.append(g2.t().matmul(x.to(g.dtype)) if need_w else None)
+        for g2, need_w, need_b, bias in zip(flat, wb[::2], wb[1::2], ctx.biases):
+            out.append(g2.t().matmul(x.to(g2.dtype)) if need_w else None)
             out.append(g2.sum(0) if need_b and bias else None)
         if ctx.gathers:
             return (None, scatter and scatter.wait(), None, None, None, None, *out)
         return (grad_x, None, None, None, None, None, *out)
+
+
+def _input_grad(flat_grads, weights) -> torch.Tensor:
+    """``sum(g @ w)``: the gradient of the linears' shared input ``[tokens, in]``, each
+    GEMM after the first adding into the first's result."""
+    total = None
+    for g, w in zip(flat_grads, weights):
+        w = w.to(g.dtype)  # under autocast forward ran in the grads' dtype
+        total = g.mm(w) if total is None else total.addmm_(g, w)
+    return total
 
 
 def linears_on_gathered_sequence(x: torch.Tensor | None, shard: torch.Tensor, weights_and_biases,
