@@ -19,7 +19,8 @@ forward, backward, AdamW step and zero_grad; each round runs one step of each
 contender (plain, SP, SP with every region in sequence order, DTensor's
 hand-written sequence-parallel plan) in an order
 rotated every round, each after a barrier; a step's time is the slower rank's;
-ratios per round; shardplan's c10d calls timed per contender.
+ratios per round; each rank's CPU time per step (main thread, all threads);
+shardplan's c10d calls timed per contender.
 """
 
 from __future__ import annotations
@@ -235,13 +236,14 @@ def _round(ctx, order) -> dict:
         dist.barrier()
         m, opt, context = _STATE[name]
         _STATE["running"] = name
-        t0 = time.perf_counter()
+        t0, main0, all0 = time.perf_counter(), time.thread_time(), time.process_time()
         with context():
             _, loss = m(*_STATE["batch"])
             loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        out[name] = (time.perf_counter() - t0, float(full(loss.detach())))
+        out[name] = (time.perf_counter() - t0, float(full(loss.detach())),
+                     time.thread_time() - main0, time.process_time() - all0)
     return out
 
 
@@ -249,6 +251,7 @@ def timing(sz: dict, steps: int, warmup: int) -> dict:
     from shardplan.ranks import RealRanks
     runs = {name: [] for name in CONTENDERS}
     losses = {name: [] for name in CONTENDERS}
+    cpu = {name: [] for name in CONTENDERS}  # per round: (main thread, all threads), rank mean
     with RealRanks(2, timeout=600) as ranks:
         ranks.run(_setup, sz)
         for i in range(warmup + steps):
@@ -263,12 +266,16 @@ def timing(sz: dict, steps: int, warmup: int) -> dict:
             if i >= warmup:
                 for name in CONTENDERS:
                     runs[name].append(got[name])
+                    cpu[name].append(tuple(sum(r[name][k] for r in per_rank) / len(per_rank)
+                                           for k in (2, 3)))
             print(f"  time round {i + 1}: " + ", ".join(f"{name} {got[name] * 1e3:.0f} ms"
                                                           for name in CONTENDERS),
                   file=sys.stderr, flush=True)
         spent = ranks.run(_spent)
     runs["collectives"] = {k: [sum(r[k][0] for r in spent) / len(spent) / steps,
                                spent[0][k][1] / steps] for k in spent[0]}
+    runs["cpu"] = {name: tuple(med([c[k] for c in cpu[name]]) for k in (0, 1))
+                   for name in CONTENDERS}
     runs["loss_diff"] = {name: max(abs(a - b) for a, b in zip(losses[name], losses["plain"]))
                          for name in CONTENDERS[1:]}
     return runs
@@ -370,14 +377,14 @@ def main(argv=None) -> int:
     szdesc = "; ".join(f"{sz['name']}: h {sz['h']}, {sz['heads']} heads, s {sz['seq']}, "
                        f"b {sz['batch']} (5as/h = {5 * sz['heads'] * sz['seq'] / sz['h']:.0f})"
                        for sz in sizes(args.quick))
+    per_round = {"plain": ratio, "SP in sequence order": vs_order, "DTensor SP": vs_dtensor}
     ttab = "\n".join([
-        "| contender | step, ms: median (min–max) | SP / this per round |", "|---|---:|---:|",
-        f"| plain | {spread([x * 1e3 for x in runs['plain']])} | {spread(ratio, _x3)} |",
-        f"| SP | {spread([x * 1e3 for x in runs['SP']])} | |",
-        f"| SP in sequence order | {spread([x * 1e3 for x in runs['SP in sequence order']])} "
-        f"| {spread(vs_order, _x3)} |",
-        f"| DTensor SP | {spread([x * 1e3 for x in runs['DTensor SP']])} "
-        f"| {spread(vs_dtensor, _x3)} |"])
+        "| contender | step, ms: median (min–max) | SP / this per round | CPU per step, ms: "
+        "main thread | all threads |", "|---|---:|---:|---:|---:|",
+        *(f"| {name} | {spread([x * 1e3 for x in runs[name]])} | "
+          f"{spread(per_round[name], _x3) if name in per_round else ''} | "
+          f"{runs['cpu'][name][0] * 1e3:.1f} | {runs['cpu'][name][1] * 1e3:.1f} |"
+          for name in CONTENDERS)])
     verdict = "within" if med(ratio) <= 1.05 else "outside"
     verdict_dt = "within" if med(vs_dtensor) <= 0.75 else "outside"
     text = "\n".join([
@@ -481,9 +488,11 @@ def main(argv=None) -> int:
         "outputs, `loss_parallel`); a step is forward, backward, `optimizer.step()`, "
         "`zero_grad()`; each round runs one step of each, the order rotated every round, each "
         "after a barrier; a step's time is the slower rank's; ratios are per round, median "
-        "(min–max). shardplan's collectives are timed around each c10d call and, for one "
-        "launched in the background (the overlapped backward of the column linears), around "
-        "the wait for it.", "",
+        "(min–max). CPU per step: the CPU time of a rank's main thread "
+        "(`time.thread_time`) and of all its threads (`time.process_time`: gloo's workers "
+        "too) during the step, the mean of the two ranks, median over the rounds. shardplan's "
+        "collectives are timed around each c10d call and, for one launched in the background "
+        "(the overlapped backward of the column linears), around the wait for it.", "",
         text, ""])
     write_doc(HEADING, section)
     return 0
