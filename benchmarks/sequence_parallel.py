@@ -425,7 +425,22 @@ def main(argv=None) -> int:
         "Time inside shardplan's collectives per step (mean of the two ranks; the c10d call "
         "each runs; waiting for the slower rank included; a call overlapped with compute "
         "counts its launch and the wait for it, not the time it ran behind the GEMMs):", "",
-        collective_table(runs["collectives"])])
+        collective_table(runs["collectives"]), "",
+        "Where SP's extra time goes. A torch.profiler run of both plans (same size, one rank, "
+        "8 steps each; 2026-12-02, not part of this command) found their GEMMs, norms and "
+        "copies taking about the same time (SP's norms and residual adds run on half the "
+        "tokens; its reduce-scatters' sums and the attention input's copies add a few ms), and "
+        "the difference in time spent inside collectives. Megatron's sequence parallelism "
+        "replaces a region's all-reduce by an all-gather and a reduce-scatter whose results "
+        "the next op reads at once: at 4 layers a step has 31 collectives that block (9 "
+        "gathers and 9 reduce-scatters forward, 9 gradient gathers backward, the loss's 3 "
+        "all-reduces and the gradient bucket) against plain's 21, plus 18 in the background "
+        "(the backward re-gathers and input-gradient reduce-scatters). Each blocking call "
+        "waits for the slower rank, and on this shared 2-core machine the ranks drift apart "
+        "by a millisecond or two between calls; gloo's threads also work more per step (the "
+        "CPU columns: more calls, and the re-gathers' bytes). Gathering in the background "
+        "earlier (at the region's output-gradient gather) or keeping the gathered input "
+        "instead of re-gathering it each measured within 1% of SP's step here.", ""])
     print(text)
     if args.quick or args.no_write:
         return 0
