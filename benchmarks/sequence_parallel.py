@@ -266,15 +266,15 @@ def timing(sz: dict, steps: int, warmup: int) -> dict:
             if i >= warmup:
                 for name in CONTENDERS:
                     runs[name].append(got[name])
-                    cpu[name].append(tuple(sum(r[name][k] for r in per_rank) / len(per_rank)
-                                           for k in (2, 3)))
+                    cpu[name].append(tuple(sum(r[name][j] for r in per_rank) / len(per_rank)
+                                           for j in (2, 3)))
             print(f"  time round {i + 1}: " + ", ".join(f"{name} {got[name] * 1e3:.0f} ms"
                                                           for name in CONTENDERS),
                   file=sys.stderr, flush=True)
         spent = ranks.run(_spent)
     runs["collectives"] = {k: [sum(r[k][0] for r in spent) / len(spent) / steps,
                                spent[0][k][1] / steps] for k in spent[0]}
-    runs["cpu"] = {name: tuple(med([c[k] for c in cpu[name]]) for k in (0, 1))
+    runs["cpu"] = {name: tuple(med([c[j] for c in cpu[name]]) for j in (0, 1))
                    for name in CONTENDERS}
     runs["loss_diff"] = {name: max(abs(a - b) for a, b in zip(losses[name], losses["plain"]))
                          for name in CONTENDERS[1:]}

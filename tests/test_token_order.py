@@ -62,10 +62,10 @@ def _rank(ctx, model, idx):
     return stacked, permuted, sharded.layouts["fc.weight"]
 
 
-@pytest.mark.parametrize("mlp,gathered_order", [
+@pytest.mark.parametrize("mlp,kept", [
     ("gelu", True), ("swiglu", True), ("token_mean", False), ("dropout", False),
     ("per_token", False)])
-def test_mlp_keeps_the_gathered_order_only_when_token_wise(mlp, gathered_order):
+def test_mlp_keeps_the_gathered_order_only_when_token_wise(mlp, kept):
     torch.manual_seed(0)
     model = MLPBlock(mlp)
     idx = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(1))
@@ -73,7 +73,7 @@ def test_mlp_keeps_the_gathered_order_only_when_token_wise(mlp, gathered_order):
         assert isinstance(layout, Shard) and layout.dim == 0  # the MLP is column parallel
         # the embedding's scatter always (its lookup reads the ids in the gathered order),
         # the MLP's gathering linears and scatter where it is token-wise
-        want = ["tp_seq_linear", "tp_seq_scatter"] if gathered_order else []
+        want = ["tp_seq_linear", "tp_seq_scatter"] if kept else []
         assert sorted(n.rsplit("_", 1)[0] for n in stacked) == sorted(["tp_seq_scatter", *want])
         assert permuted == ["placeholder"]  # the ids, not a wider MLP tensor
     report = shardplan.verify(model, 2, example_inputs=(idx,), sequence_parallel=True,

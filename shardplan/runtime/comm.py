@@ -329,6 +329,12 @@ def _stack(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
     return t.reshape(shape).movedim(dim, 0).contiguous()
 
 
+def in_stacked_order(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+    """``t``'s ``n`` parts along ``dim`` one after another, in ``t``'s shape: the order
+    ``all_gather(stacked=True)`` leaves them in (a copy; ``n`` must divide the dim)."""
+    return _concatenated_shape(_stack(t, n, dim), dim)
+
+
 def _stacked_parts(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
     """``t``'s elements read as ``n`` parts of ``dim`` one after another, ``[n, *part]``
     (a view of a contiguous ``t``), as ``all_gather(stacked=True)`` orders them."""

@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from ..errors import ConfigurationError
 from ..layouts import Shard
-from .comm import Group
+from .comm import Group, in_stacked_order
 from .layers import check_ids, vocab_lookup, vocab_range
 from .ledger import traced
 from .loss import vocab_parallel_cross_entropy
@@ -115,7 +115,7 @@ def gathered_order(x: torch.Tensor, tp: int, dim: int, site: str) -> torch.Tenso
     them (the ``tp`` parts one after another; ``Group.all_gather(stacked=True)``), for
     the sequence scatter at ``site``."""
     check_sequence(x.shape[dim], tp, site)
-    return torch.stack(x.chunk(tp, dim)).reshape(x.shape)
+    return in_stacked_order(x, tp, dim)
 
 
 def check_sequence(length: int, tp: int, site: str) -> None:
