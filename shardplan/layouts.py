@@ -36,6 +36,7 @@ The text forms are the one codec of layouts: ``str()`` writes them
 
 from __future__ import annotations
 
+import enum
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -257,6 +258,22 @@ def _is_int(v) -> bool:
 
 
 _DIM_NAME = re.compile(r"[A-Za-z_]\w*")
+
+
+class MeshDim(str, enum.Enum):
+    """The parallel dimensions by name, outer to inner as torchtitan orders its mesh:
+    pipeline stages, data-parallel replicas (HSDP's replicate dim), FSDP2 shards,
+    context parallelism (reserved) and tensor parallelism. A member is its name
+    (``MeshDim.TP == "tp"``), so a ``DeviceMesh`` built with these names reads them."""
+
+    PP = "pp"
+    DP_REPLICATE = "dp_replicate"
+    DP_SHARD = "dp_shard"
+    CP = "cp"
+    TP = "tp"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(frozen=True)
