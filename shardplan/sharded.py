@@ -13,16 +13,18 @@ import warnings
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 
 from .planner.capture import PLANNING_LOCK, Captured, capture
 from .planner.annotate import Annotation, annotate
+from .planner.input_shapes import InputShapes
 from .planner.inputs import check_dtypes
 from .layouts import Replicate, Shard, set_spec, spec_of
 from .planner.plan import build_plan
 from .parallel.fsdp import OwnedPiece, adopt_tree, apply_fsdp, install_owners, route_through_owners
 from .planner.recompute import Recomputed, block_names, outline_blocks
-from .errors import CheckpointError, ConfigurationError
+from .errors import CaptureError, CheckpointError, ConfigurationError
 from .planner.rewrite import bind, gather_params, rewrite
 from .planner.rules import RuleSet
 from .runtime.comm import Group
@@ -52,7 +54,9 @@ class ShardedModule(nn.Module):
         self._group, self._rules = group, rules
         self._gather, self._strict = gather_output, strict
         self.sequence_parallel = sequence_parallel
-        self._graphs: dict = {}
+        #: call key -> [(the input shapes it serves or None for any, rewritten graph)]
+        self._graphs: dict[tuple, list[tuple[InputShapes | None, fx.GraphModule]]] = {}
+        self._refits: set = set()  # call keys already warned about a specialised capture
         self._decoders: dict = {}  # (batch, max_len) -> the parallelized decode step
         #: what ``compile_graph`` compiled for each way of calling (call key -> modules)
         self.compiled_units: dict = {}
@@ -83,8 +87,8 @@ class ShardedModule(nn.Module):
             adopt_tree(gm, self)
         self.annotation = ann
         self.train(source.training)
-        self._last = _key(args, kwargs, source.training)
-        self._graphs[self._last] = gm
+        self._last = [gm]  # the most recent call's graph (a list hides it from the registry)
+        self._graphs[_key(args, kwargs, source.training)] = [(captured.shapes, gm)]
 
     @property
     def group(self) -> Group:
@@ -110,7 +114,7 @@ class ShardedModule(nn.Module):
     @property
     def graph_module(self) -> fx.GraphModule:
         """The rewritten graph of the most recent way of calling (first: the example's)."""
-        return self._graphs[self._last]
+        return self._last[0]
 
     @property
     def code(self) -> str:
@@ -119,14 +123,50 @@ class ShardedModule(nn.Module):
     def forward(self, *args, **kwargs):
         self._check_materialized(args, kwargs)
         key = _key(args, kwargs, self.training)
-        gm = self._graphs.get(key)
-        if gm is None:
-            with PLANNING_LOCK:
-                gm = self._graphs[key] = self._graph_for(args, kwargs)
-        self._last = key
+        graphs = self._graphs.setdefault(key, [])
+        reasons = []
+        for shapes, gm in graphs:
+            reason = shapes.mismatch(args, kwargs) if shapes is not None else None
+            if reason is None:
+                try:
+                    return self._call(gm, args, kwargs)
+                except _GuardFailed as e:  # guards run first: nothing has communicated
+                    reason = e.guard
+            reasons.append(reason)
+        if reasons and key not in self._refits:
+            self._refits.add(key)
+            warnings.warn(f"{type(self.source).__name__}: captured anew for this call ("
+                          f"{reasons[0]}): export specialised the capture to the example's "
+                          f"shapes there, so calls outside them are captured anew", stacklevel=4)
+        with PLANNING_LOCK:
+            gm, shapes = self._graph_for(args, kwargs)
+        graphs.append((shapes, gm))
+        try:
+            return self._call(gm, args, kwargs)
+        except _GuardFailed as e:
+            raise CaptureError(
+                f"{type(self.source).__name__}: this call's inputs fail a condition export "
+                f"recorded while capturing them: {e.guard}", where=type(self.source).__name__,
+                fix="report the model: a fresh capture of a call should accept that call") from None
+
+    def _call(self, gm: fx.GraphModule, args, kwargs):
+        """Run ``gm``; a guard export left that the call fails is ``_GuardFailed``, and a
+        fake tensor among the outputs a ``CaptureError``."""
+        self._last[0] = gm
         if self._draws:  # a compiled graph reads the tracker's state but cannot install one
             tracker_for(self._group.rank)
-        return gm(*args, **kwargs)
+        try:
+            out = gm(*args, **kwargs)
+        except AssertionError as e:
+            if not str(e).startswith("Guard failed"):
+                raise
+            raise _GuardFailed(str(e).strip().splitlines()[0]) from None
+        if any(isinstance(x, FakeTensor) for x in pytree.tree_leaves(out)):
+            model = type(self.source).__name__
+            raise CaptureError(f"{model}: the sharded graph returned a FakeTensor (a tensor "
+                               f"of the capture baked into the graph)", where=model,
+                               fix="rebuild the model and parallelize it again; report the model")
+        return out
 
     def generate(self, input_ids: torch.Tensor, *, kv_cache: bool = True,
                  **kwargs) -> torch.Tensor:
@@ -250,9 +290,10 @@ class ShardedModule(nn.Module):
 
     def _rebind(self) -> None:
         """Every graph (and this module's parameter list) reads ``_tensors`` again."""
-        for gm in self._graphs.values():
-            bind(gm, self._tensors)
-        for name, t in self._graphs[self._last]._parameters.items():
+        for graphs in self._graphs.values():
+            for _, gm in graphs:
+                bind(gm, self._tensors)
+        for name, t in self._last[0]._parameters.items():
             self._parameters[name] = t
 
     def _check_materialized(self, args, kwargs) -> None:
@@ -266,8 +307,9 @@ class ShardedModule(nn.Module):
                 fix="load weights first: shardplan.checkpoint.load_full_state_dict(sharded, path) "
                     "or load_sharded(sharded, checkpoint_dir)")
 
-    def _graph_for(self, args, kwargs) -> fx.GraphModule:
-        """The rewritten graph of a new way of calling, with the first plan's layouts.
+    def _graph_for(self, args, kwargs) -> tuple[fx.GraphModule, InputShapes]:
+        """The rewritten graph of a new way of calling, with the first plan's layouts,
+        and the input shapes its capture serves.
 
         The new capture is annotated with the parameters the first plan keeps
         replicated kept so. A parameter the first plan splits but this capture
@@ -286,7 +328,7 @@ class ShardedModule(nn.Module):
         whole = {t: canon[captured.aliases.get(t, t)] for t, lay in ann.params.items()
                  if isinstance(canon.get(captured.aliases.get(t, t)), Shard)
                  and not isinstance(lay, Shard)}
-        return self._finish(ann, captured, args, kwargs, whole)
+        return self._finish(ann, captured, args, kwargs, whole), captured.shapes
 
     def _annotate(self, args, kwargs, training: bool, captured: Captured | None = None,
                   keep: dict | None = None):
@@ -341,7 +383,7 @@ def parallel_step(step: nn.Module, group: Group, rules: RuleSet, *, strict: bool
     released: a rank holds only its shards."""
     sharded = ShardedModule(step, group, rules, example=(step.example(2), {}),
                             gather_output=True, strict=strict, captured=captured, keep=keep)
-    sharded._graphs[_key(step.example(1), {}, step.training)] = sharded.graph_module
+    sharded._graphs[_key(step.example(1), {}, step.training)] = [(None, sharded.graph_module)]
     step.release_caches()  # this rank's shards (or, replicated, the same objects) stay
     return sharded
 
@@ -380,6 +422,14 @@ def compile_graph(gm: fx.GraphModule, backend: str) -> list[nn.Module]:
     for unit in units or [gm]:
         unit.compile(fullgraph=True, backend=backend, options=options)
     return units or [gm]
+
+
+class _GuardFailed(Exception):
+    """A graph's export guard refused a call (before the graph computed anything)."""
+
+    def __init__(self, guard: str):
+        super().__init__(guard)
+        self.guard = guard
 
 
 def _key(args, kwargs, training: bool):

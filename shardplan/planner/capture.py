@@ -27,6 +27,9 @@ from torch.export import Dim
 
 from ..errors import CaptureError
 from .capturable import capturable
+from .input_shapes import InputShapes
+from .model_state import check_real, preserved
+from .quiet import quiet_export
 
 GUARDS = "_guards_fn"
 # torch.export and the fake tensors it leaves in node.meta keep state that is not
@@ -49,6 +52,7 @@ class Captured:
     gm: fx.GraphModule
     aliases: dict[str, str]  # every parameter/buffer FQN -> its canonical FQN (tying)
     truncated: dict[str, tuple[int, int]]  # ModuleList FQN -> (captured, real) length
+    shapes: InputShapes  # the input shapes the graph serves
 
 
 def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
@@ -61,17 +65,18 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     """
     args, kwargs = tuple(args), dict(kwargs or {})
     check_inputs(model, args, kwargs)
+    check_real(model)
     args, kwargs = _unaliased(args, kwargs)
-    with PLANNING_LOCK, _buffers_on_meta(model), capturable(model), \
+    with PLANNING_LOCK, preserved(model), _buffers_on_meta(model), capturable(model), \
             _truncated(model) if truncate else contextlib.nullcontext({}) as cut:
         try:
-            gm = _export(model, args, kwargs)
+            gm, shapes = _export(model, args, kwargs)
         except CaptureError:
             raise
         except Exception as first:  # export refused the forward: try tracing first
             try:
                 traced = fx.symbolic_trace(model, concrete_args=_none_kwargs(model, args, kwargs))
-                gm = _export(traced, args, kwargs)
+                gm, shapes = _export(traced, args, kwargs)
             except Exception:
                 raise CaptureError(
                     f"could not capture {type(model).__name__}.forward: "
@@ -80,7 +85,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
                     fix="make the forward traceable at that line (no Python control flow on "
                         "tensor values, no .item()), or pass example_inputs matching how "
                         "you call the model") from first
-    return Captured(gm, _aliases(model), cut)
+    return Captured(gm, _aliases(model), cut, shapes)
 
 
 def check_inputs(model: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -138,11 +143,12 @@ def _unaliased(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return (tuple(own(a) for a in args), {k: own(v) for k, v in kwargs.items()})
 
 
-def _export(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
+def _export(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, InputShapes]:
     shapes = _auto_shapes(model, args, kwargs)
-    with _no_kv_cache(model):
+    with _no_kv_cache(model), quiet_export():
         ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=shapes)
-    return ep.module()
+    gm = ep.module()
+    return gm, InputShapes.of(gm, ep.range_constraints)
 
 
 @contextlib.contextmanager
