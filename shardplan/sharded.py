@@ -117,6 +117,12 @@ class ShardedModule(nn.Module):
         return self._last[0]
 
     @property
+    def graphs(self) -> list[fx.GraphModule]:
+        """Every rewritten graph made so far, once each (one per capture)."""
+        unique = {id(gm): gm for graphs in self._graphs.values() for _, gm in graphs}
+        return list(unique.values())
+
+    @property
     def code(self) -> str:
         return self.graph_module.code
 
@@ -290,9 +296,8 @@ class ShardedModule(nn.Module):
 
     def _rebind(self) -> None:
         """Every graph (and this module's parameter list) reads ``_tensors`` again."""
-        for graphs in self._graphs.values():
-            for _, gm in graphs:
-                bind(gm, self._tensors)
+        for gm in self.graphs:
+            bind(gm, self._tensors)
         for name, t in self._last[0]._parameters.items():
             self._parameters[name] = t
 

@@ -106,7 +106,7 @@ def cache_report(decoder: ShardedModule) -> tuple:
     and the unsharded step's, distinct graphs of the step)."""
     named = [*decoder._tensors.items(), *decoder.source.named_buffers()]
     held = {id(t): t for k, t in named if "_cache_" in k and not t.is_meta}
-    graphs = {id(g) for g in decoder._graphs.values()}
+    graphs = decoder.graphs
     return ({k: decoder.layouts[k] for k in decoder._tensors if "_cache_" in k},
             sum(t.nbytes for t in held.values()), len(graphs))
 
