@@ -6,7 +6,8 @@ six per capture of a Hugging Face model): shardplan captures each way of
 calling anew, so they change nothing. While exporting, torch's export and
 shape loggers hand their records to the ``shardplan.capture`` logger at debug
 level instead (``logging.getLogger("shardplan.capture").setLevel("DEBUG")``
-shows them).
+shows them). Its warning that a forward assigned a tensor attribute is
+dropped: capture puts the attribute back (``planner.model_state``).
 """
 
 from __future__ import annotations
@@ -38,7 +39,11 @@ def quiet_export():
     for logger in loggers:
         logger.addFilter(to_debug)
     try:
-        yield
+        with warnings.catch_warnings():
+            # shardplan restores what the forward assigns (planner.model_state)
+            warnings.filterwarnings("ignore", message=r"The tensor attribute .* was assigned "
+                                    r"during export", category=UserWarning)
+            yield
     finally:
         for logger in loggers:
             logger.removeFilter(to_debug)
