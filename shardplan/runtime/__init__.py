@@ -1,6 +1,6 @@
 """The tensor-parallel runtime: collectives, f/g mappings, parallel layers, loss, RNG."""
 
-from .comm import Group, ThreadGroup, TorchGroup, as_group
+from .comm import Group, P2POp, ThreadGroup, TorchGroup, as_group
 from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                      padded_vocab_size, vocab_range)
 from .ledger import CommLedger, CommRecord
@@ -11,7 +11,7 @@ from .random import (RNGTracker, get_rng_tracker, manual_seed, model_parallel_se
                      set_rng_tracker)
 
 __all__ = [
-    "Group", "ThreadGroup", "TorchGroup", "as_group",
+    "Group", "P2POp", "ThreadGroup", "TorchGroup", "as_group",
     "CommLedger", "CommRecord",
     "copy_to_region", "reduce_from_region", "scatter_to_region", "gather_from_region",
     "gather_from_sequence", "reduce_scatter_to_sequence", "f", "g",

@@ -16,6 +16,12 @@ shape and dtype to the same kind of collective. Real backends do not: gloo
 may hang or return a wrong sum; set ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` to make
 torch check every collective across ranks (an extra exchange per collective;
 its error is reported as ranks disagreeing).
+
+Point-to-point transfers (``send``, ``recv``, ``batch_isend_irecv``) name their
+peer by its rank *within the group* (``0 .. size - 1``, never this rank), as a
+pipeline stage names its neighbours; ``TorchGroup`` passes it to torch as the
+group rank. Each is recorded in the ledger (kind ``send`` or ``recv``, with the
+peer). They are not traceable: a ``torch.compile``d graph cannot contain them.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ import os
 import sys
 import threading
 import time
+from collections import deque
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -129,6 +137,50 @@ class Group:
             return t.clone()
         return self._broadcast(t.contiguous(), src)
 
+    def send(self, t: torch.Tensor, dst: int, *, direction: str = "none",
+             site: str | None = None) -> None:
+        """Send ``t`` to group rank ``dst`` (blocks until ``t`` may be reused)."""
+        self._check_peer(dst, "send")
+        self._log("send", t.numel(), t.element_size(), direction, site, peer=dst)
+        self._send(t.contiguous(), dst)
+
+    def recv(self, t: torch.Tensor, src: int, *, direction: str = "none",
+             site: str | None = None) -> torch.Tensor:
+        """Receive group rank ``src``'s tensor into ``t`` (contiguous, of the sent shape
+        and dtype) and return ``t``, as ``torch.distributed.recv`` does."""
+        self._check_peer(src, "recv")
+        _check_buffer(t)
+        self._log("recv", t.numel(), t.element_size(), direction, site, peer=src)
+        self._recv(t, src)
+        return t
+
+    def batch_isend_irecv(self, ops: list[P2POp], *, direction: str = "none",
+                          site: str | None = None) -> Pending:
+        """Start every ``P2POp`` at once (a pipeline's sends and receives of one step, in
+        any order across ranks without deadlock); ``wait()`` returns the receive buffers
+        in ``ops``' order, filled. Sent tensors must not change before then."""
+        for op in ops:
+            self._check_peer(op.peer, op.kind)
+            if op.kind == "recv":
+                _check_buffer(op.tensor)
+        for op in ops:
+            self._log(op.kind, op.tensor.numel(), op.tensor.element_size(), direction, site,
+                      peer=op.peer)
+        _CURRENT.op = ("batch_isend_irecv", site)
+        if not ops:
+            return Pending([])
+        ops = [P2POp(op.kind, op.tensor.contiguous(), op.peer) for op in ops]
+        return self._batch_isend_irecv(ops)
+
+    def _check_peer(self, peer, kind: str) -> None:
+        if not isinstance(peer, int) or isinstance(peer, bool) or not 0 <= peer < self.size \
+                or peer == self.rank:
+            raise ConfigurationError(
+                f"{kind} with peer {peer!r} on rank {self.rank} of a group of {self.size} "
+                f"ranks: not another rank of the group",
+                fix=f"name the peer by its rank within the group: 0 .. {self.size - 1}, "
+                    f"other than this rank ({self.rank})")
+
     def barrier(self) -> None:
         _CURRENT.op = ("barrier", None)
         if self.size > 1:
@@ -144,14 +196,40 @@ class Group:
     def __deepcopy__(self, memo):
         return self  # a group is a handle on ranks, never copied with a module
 
-    def _log(self, kind, elements, elsize, direction, site, op="sum"):
+    def _log(self, kind, elements, elsize, direction, site, op="sum", peer=None):
         """Record the collective in the ledger; remember it for error messages."""
         _CURRENT.op = (kind, site)
         if ledger.recording():
             ledger.record(ledger.CommRecord(
                 kind=kind, group_size=self.size, elements=elements,
                 bytes=elements * elsize, direction=direction,
-                site=site or _caller(), op=op))
+                site=site or _caller(), op=op, peer=peer))
+
+    def _checked(self, fn, *args, **kwargs):
+        """``fn(...)``, its backend's errors as ``CommunicationError`` (here: as raised)."""
+        return fn(*args, **kwargs)
+
+
+@dataclass(frozen=True, eq=False)
+class P2POp:
+    """One transfer of a ``Group.batch_isend_irecv``: ``kind`` ``"send"`` sends ``tensor``
+    to group rank ``peer``, ``"recv"`` receives into it from ``peer``."""
+
+    kind: str
+    tensor: torch.Tensor
+    peer: int
+
+    def __post_init__(self):
+        if self.kind not in ("send", "recv"):
+            raise ConfigurationError(f"P2POp kind {self.kind!r}", fix='say "send" or "recv"')
+
+
+def _check_buffer(t: torch.Tensor) -> None:
+    """A receive buffer must be contiguous: the backend writes its bytes in place."""
+    if not t.is_contiguous():
+        raise ConfigurationError(
+            f"recv into a non-contiguous tensor of shape {tuple(t.shape)}",
+            fix="receive into a contiguous buffer (torch.empty(shape, dtype=...)), then copy")
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -192,8 +270,9 @@ class Pending:
     __slots__ = ("_result", "_work", "_group", "_op")
 
     def __init__(self, result, work=None, group: Group | None = None):
-        """``result``: the value, or with ``work`` (a c10d ``Work``) a function making it
-        once ``work`` is done; ``group`` reports ``work``'s errors."""
+        """``result``: the value, or with ``work`` (anything with a ``wait()``: a c10d
+        ``Work``, ``_AllOf`` several) a function making it once ``work`` is done; ``group``
+        reports ``work``'s errors."""
         self._result, self._work, self._group = result, work, group
         self._op = getattr(_CURRENT, "op", None)  # what an error in wait() names
 
@@ -212,6 +291,17 @@ class Pending:
             result = self._result
             self._result = lambda: fn(result())
         return self
+
+
+class _AllOf:
+    """Several waits as one ``work`` of a ``Pending`` (a batch of point-to-point ops)."""
+
+    def __init__(self, waits):
+        self.waits = waits  # functions of no arguments, called in order
+
+    def wait(self):
+        for wait in self.waits:
+            wait()
 
 
 _TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
@@ -286,6 +376,19 @@ class TorchGroup(Group):
         self._checked(dist.broadcast, out, src=dist.get_global_rank(self.pg, src)
                       if self.pg is not None else src, group=self.pg)
         return out
+
+    def _send(self, t, dst):
+        self._checked(dist.send, t, group=self.pg, group_dst=dst)
+
+    def _recv(self, t, src):
+        self._checked(dist.recv, t, group=self.pg, group_src=src)
+
+    def _batch_isend_irecv(self, ops):
+        works = self._checked(dist.batch_isend_irecv, [
+            dist.P2POp(dist.isend if op.kind == "send" else dist.irecv, op.tensor,
+                       group=self.pg, group_peer=op.peer) for op in ops])
+        received = [op.tensor for op in ops if op.kind == "recv"]
+        return Pending(lambda: received, _AllOf([w.wait for w in works]), self)
 
     def _barrier(self):
         self._checked(dist.barrier, group=self.pg)
@@ -370,7 +473,8 @@ _SAME_SHAPES = ("every rank of a tensor-parallel group must make the same collec
 
 class Rendezvous:
     """Shared state of a ``ThreadGroup``: one slot per rank, a barrier, and who
-    is waiting in it (to name the ranks that never arrived when it times out)."""
+    is waiting in it (to name the ranks that never arrived when it times out);
+    a mailbox per (sender, receiver) pair for point-to-point transfers."""
 
     def __init__(self, size: int, timeout: float = 60.0):
         self.size, self.timeout = size, timeout
@@ -380,12 +484,50 @@ class Rendezvous:
         self.returned: set[int] = set()  # ranks whose function returned (set by the runner)
         self.failed: int | None = None  # the first rank that failed (set by abort)
         self.progress = time.monotonic()  # last arrival, departure or return of any rank
+        self.mail: dict[tuple[int, int], deque] = {}  # (src, dst): tensors sent, oldest first
+        self.mail_changed = threading.Condition()  # guards mail; notified on post and abort
 
     def abort(self, failed: int | None = None) -> None:
-        """Break the barrier; every waiting rank raises. ``failed``: the rank that failed."""
+        """Break the barrier and wake every receiver; every waiting rank raises.
+        ``failed``: the rank that failed."""
         if self.failed is None:
             self.failed = failed
         self.barrier.abort()
+        with self.mail_changed:
+            self.mail_changed.notify_all()
+
+    def post(self, src: int, dst: int, t: torch.Tensor) -> None:
+        """Leave ``t`` in ``dst``'s mailbox from ``src`` (returns at once)."""
+        with self.mail_changed:
+            self.mail.setdefault((src, dst), deque()).append(t)
+            self.progress = time.monotonic()
+            self.mail_changed.notify_all()
+
+    def take(self, src: int, dst: int) -> torch.Tensor:
+        """The oldest tensor ``src`` sent ``dst``, waiting up to ``timeout`` for one."""
+        deadline = time.monotonic() + self.timeout
+        with self.mail_changed:
+            while not self.mail.get((src, dst)):
+                left = deadline - time.monotonic()
+                if self.barrier.broken or left <= 0:
+                    raise self._unsent(src, dst)
+                self.mail_changed.wait(left)
+            self.progress = time.monotonic()
+            return self.mail[(src, dst)].popleft()
+
+    def _unsent(self, src: int, dst: int) -> CommunicationError:
+        if self.barrier.broken and self.failed is not None:
+            return self._broken(dst)
+        if self.barrier.broken:
+            return _secondary(CommunicationError(
+                f"simulated rank {dst}: {_running()} broke off: the run was aborted",
+                fix="see the runner's error"))
+        returned = " (it had returned)" if src in self.returned else ""
+        return _secondary(CommunicationError(
+            f"simulated rank {dst}: {_running()} timed out after {self.timeout:g}s: "
+            f"rank {src} never sent{returned}",
+            fix="every recv needs the peer's send, in the same order: the peer skipped this "
+                "send or diverged; raise the timeout if it is only slow"))
 
     def wait(self, rank: int) -> None:
         self.waiting[rank] = True
@@ -453,6 +595,27 @@ class ThreadGroup(Group):
 
     def _barrier(self):
         self.rv.wait(self.rank)
+
+    def _send(self, t, dst):
+        self.rv.post(self.rank, dst, t.detach().clone())  # the sender may reuse t at once
+
+    def _recv(self, t, src):
+        got = self.rv.take(src, self.rank)
+        if (got.shape, got.dtype) != (t.shape, t.dtype):
+            raise CommunicationError(
+                f"ranks disagree at {_running()}: rank {src} sent shape {tuple(got.shape)} "
+                f"{got.dtype}, rank {self.rank} receives into shape {tuple(t.shape)} {t.dtype}",
+                fix="receive into a buffer of the shape and dtype the peer sends")
+        with torch.no_grad():
+            t.copy_(got)
+
+    def _batch_isend_irecv(self, ops):
+        for op in ops:
+            if op.kind == "send":
+                self._send(op.tensor, op.peer)
+        recvs = [op for op in ops if op.kind == "recv"]
+        waits = [lambda op=op: self._recv(op.tensor, op.peer) for op in recvs]
+        return Pending(lambda: [op.tensor for op in recvs], _AllOf(waits), self)
 
 
 def as_group(group=None) -> Group:

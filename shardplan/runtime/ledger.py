@@ -1,4 +1,5 @@
-"""The communication ledger: a record of every collective the runtime issues.
+"""The communication ledger: a record of every collective (and point-to-point
+transfer) the runtime issues.
 
     with CommLedger() as ledger:
         loss = model(x).sum(); loss.backward()
@@ -27,20 +28,22 @@ _local = threading.local()
 
 @dataclass(frozen=True)
 class CommRecord:
-    """One collective as one rank saw it.
+    """One collective or point-to-point transfer as one rank saw it.
 
     ``elements`` is the logical size of the collective: the reduced tensor for
     an all-reduce, the gathered (full) tensor for an all-gather, the input
-    (full) tensor for a reduce-scatter.
+    (full) tensor for a reduce-scatter, the tensor sent or received for a
+    send or recv (whose ``peer`` is the other rank, within the group).
     """
 
-    kind: str  # all_reduce | all_gather | reduce_scatter | broadcast
+    kind: str  # all_reduce | all_gather | reduce_scatter | broadcast | send | recv
     group_size: int
     elements: int
     bytes: int
     direction: str  # forward | backward | none
     site: str
     op: str = "sum"
+    peer: int | None = None
 
 
 class CommLedger:
