@@ -114,31 +114,27 @@ def tmp(tmp_path_factory):
 
 # --------------------------------------------------------------------------- sizes vs tp
 
-@bad(DivisibilityError, "transformer.h.0.attn", "gpt.py:", "self.n_head", "tp=4")
-def heads_not_dividing_tp():
-    shardplan.plan(gpt(n_head=6, n_embd=48), 4)
+@bad(DivisibilityError, "transformer.h.0.attn", "gpt.py:", "self.n_head",
+     "fix: choose a tp dividing 6: 2, 3, 6 (tp=4 does not)")
+def heads_not_dividing_tp_strict():
+    shardplan.plan(gpt(n_head=6, n_embd=48), 4, strict=True)
 
 
 @bad(DivisibilityError, "blocks.0", "planner_models.py:", "tp=4")
-def fused_gqa_query_heads_not_dividing_tp():
+def fused_gqa_query_heads_not_dividing_tp_strict():
     # [q | k | v] = 48 + 16 + 16: 6 query heads do not split 4 ways (2 K/V heads fewer
     # than tp would be held by pairs of ranks: tests/test_robust.py)
-    shardplan.plan(TinyLM(dim=48, heads=6, kv_heads=2, layers=1), 4)
+    shardplan.plan(TinyLM(dim=48, heads=6, kv_heads=2, layers=1), 4, strict=True)
 
 
-# An FFN, hidden layer or K/V projection whose width does not divide by tp (while the
-# query heads do) is no longer refused: it stays replicated, a plan decision
-# (tests/test_robust.py).
+# Heads, an FFN, hidden layer or K/V projection whose width does not divide by tp are
+# not refused without strict=True: that part stays replicated, a plan decision
+# (tests/test_robust.py, tests/test_uneven_heads.py).
 
 
-@bad(DivisibilityError, "transformer.h.0.attn", "gpt.py:", "tp=4")
-def heads_not_dividing_tp_in_verify():
-    shardplan.verify(gpt(n_head=6, n_embd=48), 4)
-
-
-@bad(DivisibilityError, "transformer.h.0.attn", "gpt.py:", "tp=2")
-def heads_not_dividing_tp_in_parallelize():
-    parallelized(gpt(n_head=3, n_embd=24), 2, example_inputs=IDS)
+@bad(DivisibilityError, "transformer.h.0.attn", "gpt.py:", "choose a tp dividing 3: 3 (tp=2")
+def heads_not_dividing_tp_in_parallelize_strict():
+    parallelized(gpt(n_head=3, n_embd=24), 2, example_inputs=IDS, strict=True)
 
 
 # --------------------------------------------------------------------------- tp and groups

@@ -145,7 +145,7 @@ def test_shardplan_error_exits_2_with_where_and_fix():
     assert r.returncode == 2
     assert r.stderr.startswith("shardplan: DivisibilityError:")
     assert "transformer.h.0.attn" in r.stderr
-    assert "fix: choose tp dividing" in r.stderr
+    assert "fix: choose a tp dividing 12: 2, 3, 4, 6, 12 (tp=8 does not)" in r.stderr
     assert "Traceback" not in r.stderr
 
 

@@ -263,9 +263,14 @@ def _settle(gm, tp, rules, strict, sequence_parallel, keep, whole, gather) -> An
                     for o in c.origins} if c.divisibility else {}
             grow = {o: r for o, r in want.items() if r != replicas.get(o, (1,))[0] and r != 1}
             held = [o for o in c.origins if o in asked]
-            if held and not grow:
-                c = asked[held[0]][1]  # grouping ranks did not help: the split itself is wrong
-                c.divisibility, c.replicas = True, 1
+            if held and not grow:  # grouping ranks did not help: the split itself is wrong
+                first = asked[held[0]][1]
+                if c.divisibility or strict:
+                    c = first
+                    c.divisibility, c.replicas = True, 1
+                else:  # keep that region whole, saying why in the first conflict's words
+                    c = replace(c, reason=f"{first.reason}, and its parts held by "
+                                           f"groups of ranks meet {c.reason}")
             if c.divisibility:
                 if grow:
                     for o, r in grow.items():
@@ -273,7 +278,7 @@ def _settle(gm, tp, rules, strict, sequence_parallel, keep, whole, gather) -> An
                     retry = True
                     continue
                 raise DivisibilityError(c.reason, where=describe(c.node), source=source_of(c.node),
-                                        fix=f"choose tp dividing that size (tp={tp} does not)")
+                                        fix=_divisible_fix(c.sizes, tp))
             if strict and not c.closes:
                 raise LayoutError(c.reason, where=describe(c.node), source=source_of(c.node),
                                   fix="add a rule for this op, or drop strict=True to keep the "
@@ -297,6 +302,18 @@ def _settle(gm, tp, rules, strict, sequence_parallel, keep, whole, gather) -> An
         ann.passed = pass_partials(ann.layouts, ann.outcomes, Context(tp, rules))
     ann.transitions = _transitions(ann)
     return ann
+
+
+def _divisible_fix(sizes: tuple[int, ...], tp: int) -> str:
+    """The tps that divide every one of ``sizes``, or what to change when none > 1 does."""
+    if not sizes:
+        return f"choose a tp dividing that size (tp={tp} does not)"
+    counts = " and ".join(map(str, sizes))
+    tps = [t for t in range(2, min(max(sizes), 64) + 1) if all(n % t == 0 for n in sizes)]
+    if tps:
+        return f"choose a tp dividing {counts}: {', '.join(map(str, tps))} (tp={tp} does not)"
+    return (f"no tp > 1 divides {counts}: run this model at tp=1, or give it a head count "
+            f"(or width) that divides by tp={tp}")
 
 
 def _wanted(c: Conflict, opener: fx.Node, ann: Annotation):
@@ -576,7 +593,7 @@ class _Pass:
                 return Outcome(None, conflict=Conflict(
                     node, f"{module_of(node) or node.name}: output size "
                           f"{'+'.join(map(str, blocks or [size]))} does not divide by tp={self.tp}",
-                    divisibility=True))
+                    divisibility=True, sizes=tuple(blocks or [size])))
         shard = lambda d: Shard(d, blocks, padded, r)  # noqa: E731
         needs = {(spec.weight,): shard(wdim)}
         for path, _ in operands(node):

@@ -61,7 +61,7 @@ def map_reshape(lay: Shard, src, dst, tp) -> Shard | tuple[str, dict]:
                 if len(counts) == len(lay.blocks or ()) else 1
             return (f"split of a sharded dim into {[dst_h[k] for k in range(c, e)]} does not "
                     f"divide by tp={tp} (e.g. heads not divisible by tp)",
-                    {"divisibility": True, "replicas": needed})
+                    {"divisibility": True, "replicas": needed, "sizes": tuple(counts)})
         reps = tuple(r for _, r in rows[0])  # equal counts collapse to one (Shard)
         blocks, per = (tuple(counts) if len(counts) > 1 else None), None
         if merged:  # equal blocks, alike held, in every period are a shorter period

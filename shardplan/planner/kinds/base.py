@@ -49,6 +49,7 @@ class Conflict:
     divisibility: bool = False
     closes: bool = False  # a reduction over the split dim: the region just does not close
     replicas: int = 1  # for a divisibility conflict: replicas that would make the split divide
+    sizes: tuple[int, ...] = ()  # for a divisibility conflict: the counts that must divide by tp
     gatherable: bool = False  # a fallback at an op reading a shard: gathering it would do
 
 

@@ -46,6 +46,10 @@ class ReshapeKind(Kind):
             src[d:d + 2] = [hint(src[d]) * hint(src[d + 1])]  # [B, KV, n, T, D] -> [B, KV*n, T, D]
             lay = Shard(d)
         res = map_reshape(lay, src, dst, ctx.tp)
+        if isinstance(res, Shard) and _repeats_heads_outer(node, res, ctx):
+            return Outcome(None, conflict=Conflict(
+                node, "K/V heads repeated outside them (query head h reads K/V head "
+                      "h % kv_heads): every rank needs every K/V head, so K and V stay whole"))
         if isinstance(res, Shard) and lay.replicas == 1 and (
                 _one_head_split(node, lay, res, ctx) or _inside_one_head(node, lay, ctx)):
             return Outcome(None, conflict=Conflict(  # hold the one head on every rank
@@ -180,6 +184,28 @@ def _merges_expanded_copies(node, lay: Shard, ctx: Context) -> bool:
     merged = src_h[:d] + [src_h[d] * src_h[d + 1]] + src_h[d + 2:]
     return reshape_groups(merged, dst) is not None and \
         hint(shape(src)[d + 1]) % lay.replicas == 0
+
+
+def _repeats_heads_outer(node, res: Shard, ctx: Context) -> bool:
+    """Is ``node`` an unsqueeze of sharded heads whose new size-1 dim, right before them,
+    is expanded and then merged with them as the outer factor (x-transformers' GQA
+    ``repeat(t, 'b kvh n d -> b (r kvh) n d')``): ``[B, KV, T, D] -> [B, 1, KV, T, D]
+    -expand-> [B, r, KV, T, D] -reshape-> [B, r*KV, T, D]``? Query head ``h`` then reads
+    K/V head ``h % KV``: a contiguous split of the query heads needs all K/V heads."""
+    h = res.dim - 1
+    dst = [hint(x) for x in shape(node)]
+    if h < 0 or dst[h] != 1 or dst[res.dim] == 1 or res.blocks or res.padded:
+        return False
+    for expand in node.users:
+        if ctx.kind_of(expand) != "expand" or hint(shape(expand)[h]) == 1:
+            return False
+        for merge in expand.users:
+            out = [hint(x) for x in shape(merge)]
+            wide = [hint(x) for x in shape(expand)]
+            if ctx.kind_of(merge) != "reshape" or ((h, h + 2), (h, h + 1)) not in (
+                    reshape_groups(wide, out) or []):
+                return False
+    return bool(node.users)
 
 
 def _one_head_split(node, lay: Shard, res: Shard, ctx: Context) -> bool:
