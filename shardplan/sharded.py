@@ -18,7 +18,7 @@ from torch.utils import _pytree as pytree
 from .planner.capture import PLANNING_LOCK, Captured, capture
 from .planner.annotate import Annotation, annotate
 from .planner.inputs import check_dtypes
-from .layouts import Replicate, Shard, set_spec, spec_of
+from .layouts import MeshSizes, Replicate, Shard, set_spec, spec_of
 from .planner.plan import build_plan
 from .parallel.fsdp import OwnedPiece, adopt_tree, apply_fsdp, install_owners, route_through_owners
 from .planner.recompute import Recomputed, block_names, outline_blocks
@@ -300,8 +300,8 @@ class ShardedModule(nn.Module):
                 check_dtypes(captured.gm)
             finally:
                 source.train(was)
-        return annotate(captured.gm, self._group.size, self._rules, strict=self._strict,
-                        sequence_parallel=self.sequence_parallel, keep=keep,
+        return annotate(captured.gm, MeshSizes.of(tp=self._group.size), self._rules,
+                        strict=self._strict, sequence_parallel=self.sequence_parallel, keep=keep,
                         cut_blocks=bool(self.recomputed or self.fsdp_blocks)), captured
 
     def _finish(self, ann: Annotation, captured, args, kwargs,

@@ -38,7 +38,7 @@ import torch.fx as fx
 from .blocks import split_first
 from .capture import GUARDS, module_of, source_of
 from ..errors import ConfigurationError, DivisibilityError, LayoutError, ShardplanError
-from ..layouts import Partial, Replicate, Shard
+from ..layouts import MeshDim, MeshSizes, Partial, Replicate, Shard
 from .graph import args_of, describe, floating, hint, op_name, operand, operands, shape
 from .kinds import KINDS, Conflict, Context, Outcome, Role
 from .kinds.base import any_sharded, cumsum, replicated_like
@@ -58,10 +58,13 @@ R = Replicate()
 
 @dataclass
 class Annotation:
-    """The engine's result for one graph at one tp; never changed after ``annotate``."""
+    """The engine's result for one graph on one mesh; never changed after ``annotate``.
+
+    The layouts and transitions are placements along ``dim`` (tp), the mesh dimension
+    the engine plans; ``dims`` are the sizes of every dimension of the mesh."""
 
     gm: fx.GraphModule
-    tp: int
+    dims: MeshSizes
     layouts: dict  # fx.Node -> Layout | tuple | None (a row-parallel output is Partial)
     outcomes: dict  # fx.Node -> Outcome
     params: dict  # get_attr target -> Layout
@@ -86,6 +89,12 @@ class Annotation:
     # op with no rule for a shard it reads (a fallback; all-gathering it would do) -> openers
     blocked: dict = field(default_factory=dict)
     choices: list = field(default_factory=list)  # [choices.Choice], one per weighed region
+    dim: MeshDim = MeshDim.TP
+
+    @property
+    def size(self) -> int:
+        """The ranks along ``dim``: the parts a shard of these layouts is split into."""
+        return self.dims[self.dim]
 
     def read(self, node: fx.Node, consumer: fx.Node | None = None, path=None):
         """The layout ``consumer`` reads of ``node`` (after its g, scatter or gather)."""
@@ -99,10 +108,11 @@ class Annotation:
         return isinstance(lay, Shard) and lay.dim in self.seq_dims.get(node, ())
 
 
-def annotate(gm: fx.GraphModule, tp: int, rules: RuleSet, *, strict: bool = False,
+def annotate(gm: fx.GraphModule, dims: MeshSizes, rules: RuleSet, *, strict: bool = False,
              sequence_parallel: bool = False, keep: dict | None = None,
              distribute: bool = True, cut_blocks: bool = True) -> Annotation:
-    """Layouts and transitions for every node of ``gm`` under tensor parallelism ``tp``.
+    """Layouts and transitions for every node of ``gm`` under tensor parallelism
+    ``dims.tp`` (``dims``: the sizes of the mesh's dimensions).
 
     Openers whose regions reach an op that cannot run locally are kept
     replicated and the pass repeats. A split that does not divide by tp is
@@ -127,7 +137,7 @@ def annotate(gm: fx.GraphModule, tp: int, rules: RuleSet, *, strict: bool = Fals
     the graph block by block), else in one all-reduce per step, after the last of them.
     """
     settle = lambda g, whole, gather: _settle(  # noqa: E731
-        g, tp, rules, strict, sequence_parallel, keep, whole, gather)
+        g, dims, rules, strict, sequence_parallel, keep, whole, gather)
     whole = _reductions(gm, rules)  # names of the reductions kept whole (all, to start)
     gather = frozenset()  # names of the ops whose split operands are all-gathered
     ann = settle(gm, whole, gather)
@@ -234,7 +244,7 @@ def _gathered(gm, ann: Annotation, settle, whole: frozenset, gather: frozenset, 
         names = names | more
 
 
-def _settle(gm, tp, rules, strict, sequence_parallel, keep, whole, gather) -> Annotation:
+def _settle(gm, dims, rules, strict, sequence_parallel, keep, whole, gather) -> Annotation:
     """``annotate`` with the reductions ``whole`` kept from running distributed and the
     shards read by the ops ``gather`` all-gathered for them."""
     params = dict(gm.named_parameters(remove_duplicate=False))
@@ -246,7 +256,7 @@ def _settle(gm, tp, rules, strict, sequence_parallel, keep, whole, gather) -> An
     stopped: dict = {}
     blocked: dict = {}
     while True:
-        pas = _Pass(gm, tp, rules, params, disabled,
+        pas = _Pass(gm, dims, rules, params, disabled,
                     {o: r for o, (r, _) in replicas.items()}, seq_dims, whole, split, gather)
         ann, conflicts = pas.run()
         wanted = {n: held for n, held in pas.wanted.items() if n not in split and
@@ -273,7 +283,8 @@ def _settle(gm, tp, rules, strict, sequence_parallel, keep, whole, gather) -> An
                     retry = True
                     continue
                 raise DivisibilityError(c.reason, where=describe(c.node), source=source_of(c.node),
-                                        fix=f"choose tp dividing that size (tp={tp} does not)")
+                                        fix=f"choose {ann.dim} dividing that size "
+                                            f"({ann.dim}={ann.size} does not)")
             if strict and not c.closes:
                 raise LayoutError(c.reason, where=describe(c.node), source=source_of(c.node),
                                   fix="add a rule for this op, or drop strict=True to keep the "
@@ -294,7 +305,7 @@ def _settle(gm, tp, rules, strict, sequence_parallel, keep, whole, gather) -> An
     if sequence_parallel:
         ann.warnings += _sequence_fallbacks(ann)
     else:
-        ann.passed = pass_partials(ann.layouts, ann.outcomes, Context(tp, rules))
+        ann.passed = pass_partials(ann.layouts, ann.outcomes, Context(dims, rules))
     ann.transitions = _transitions(ann)
     return ann
 
@@ -359,14 +370,15 @@ def read_as(lay):
 
 
 class _Pass:
-    def __init__(self, gm, tp, rules: RuleSet, params, disabled, replicas, seq_dims, whole,
-                 split, gather=frozenset()):
-        self.gm, self.tp, self.rules, self.params, self.disabled = gm, tp, rules, params, disabled
+    def __init__(self, gm, dims: MeshSizes, rules: RuleSet, params, disabled, replicas, seq_dims,
+                 whole, split, gather=frozenset()):
+        self.gm, self.rules, self.params, self.disabled = gm, rules, params, disabled
         self.split = split  # a parameter held split, and its views -> (layout, parameter)
         self.gather = gather  # names of ops whose split operands are all-gathered for them
         self.wanted: dict = {}  # the same, found needed by this pass, for the next
         self.grad: dict = {}
-        self.ctx = Context(tp, rules, whole, self.grad)
+        self.ctx = Context(dims, rules, whole, self.grad)
+        self.dim, self.size = self.ctx.dim, self.ctx.size  # the mesh dim planned, its ranks
         self.replicas = replicas
         self.seq_dims = seq_dims  # empty unless sequence parallel
         self.scattered: dict = {}
@@ -382,10 +394,11 @@ class _Pass:
     def run(self):
         for node in self.gm.graph.nodes:
             self._visit(node)
-        ann = Annotation(self.gm, self.tp, self.layouts, self.outcomes,
+        ann = Annotation(self.gm, self.ctx.dims, self.layouts, self.outcomes,
                          {t: lay for t, (lay, _) in self.param_layouts.items()},
                          self.grad, {}, [], self.rules, [],
-                         self.scattered, self.gathered, self.seq_dims, self.deferred)
+                         self.scattered, self.gathered, self.seq_dims, self.deferred,
+                         dim=self.dim)
         return ann, self.conflicts
 
     # ----------------------------------------------------------------- per node
@@ -567,15 +580,16 @@ class _Pass:
         if isinstance(r, tuple) and len(r) != len(blocks or ()):
             r = max(r)  # the blocks a conflict saw are not this capture's
         reps = r if isinstance(r, tuple) else (r,) * len(blocks or [size])
-        if any(b % (self.tp // k) for b, k in zip(blocks or [size], reps)):
+        if any(b % (self.size // k) for b, k in zip(blocks or [size], reps)):
             if blocks is None and self.rules.strategy.pad_vocabulary and _only_to_sinks(node, self.ctx):
-                padded = math.ceil(size / self.tp) * self.tp
+                padded = math.ceil(size / self.size) * self.size
             elif blocks is None and r == 1:
-                return _too_narrow(node, size, self.tp)
+                return _too_narrow(node, size, f"{self.dim}={self.size}")
             else:
                 return Outcome(None, conflict=Conflict(
                     node, f"{module_of(node) or node.name}: output size "
-                          f"{'+'.join(map(str, blocks or [size]))} does not divide by tp={self.tp}",
+                          f"{'+'.join(map(str, blocks or [size]))} does not divide by "
+                          f"{self.dim}={self.size}",
                     divisibility=True))
         shard = lambda d: Shard(d, blocks, padded, r)  # noqa: E731
         needs = {(spec.weight,): shard(wdim)}
@@ -596,10 +610,10 @@ class _Pass:
         if rows < spec.min_rows_per_column * cols or not _from_input(idx, self.ctx):
             return None
         padded = None
-        if rows % self.tp:
+        if rows % self.size:
             if not self.rules.strategy.pad_vocabulary:
                 return None
-            padded = math.ceil(rows / self.tp) * self.tp
+            padded = math.ceil(rows / self.size) * self.size
         return Outcome(Partial(), {(spec.weight,): Shard(0, None, padded)},
                        role=Role.VOCAB_EMBEDDING, rule="vocab-parallel embedding")
 
@@ -616,12 +630,12 @@ class _Pass:
 
 # --------------------------------------------------------------------------- strategy helpers
 
-def _too_narrow(node: fx.Node, size: int, tp: int) -> Outcome:
-    """A GEMM whose output does not split into tp parts (a 1-wide gate, an odd FFN)
-    stays replicated: a plan decision, as Megatron keeps small layers whole. Only
+def _too_narrow(node: fx.Node, size: int, parts: str) -> Outcome:
+    """A GEMM whose output does not split into ``parts`` (``tp=4``; a 1-wide gate, an odd
+    FFN) stays replicated: a plan decision, as Megatron keeps small layers whole. Only
     a cut that the model's own structure forces (heads, fused projections) is refused."""
     return Outcome(None, conflict=Conflict(
-        node, f"output size {size} does not divide by tp={tp}", frozenset({node}), closes=True))
+        node, f"output size {size} does not divide by {parts}", frozenset({node}), closes=True))
 
 
 def _kept_replicated(gm: fx.GraphModule, rules: RuleSet, keep: dict) -> dict:
@@ -822,7 +836,7 @@ def _transitions(ann: Annotation) -> list[Transition]:
                 continue
             if entering and ann.requires_grad.get(a):
                 src, edge = (a, (node, path)) if ann.seq_dims else \
-                    earlier_f(node, path, a, ann.requires_grad, Context(ann.tp, ann.rules))
+                    earlier_f(node, path, a, ann.requires_grad, Context(ann.dims, ann.rules))
                 shared(grad_sum, src, edge, before=R, after=R,
                        forward=Collective.NONE, backward=Collective.ALL_REDUCE)
             if isinstance(need, Shard):

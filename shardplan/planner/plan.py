@@ -25,7 +25,7 @@ from ..errors import CaptureError
 from .inputs import check_dtypes, check_model_arg, example_args
 from .kinds import Role
 from .memory import MemoryEstimate, estimate
-from ..layouts import Replicate, Shard
+from ..layouts import MeshSizes, Replicate, Shard
 from .rules import RuleSet, load_rules
 from .shards import local_shape
 from .transitions import Purpose, Transition, message
@@ -180,8 +180,8 @@ def plan(model: nn.Module, tp: int, *, example_inputs=None, rules="megatron",
     args, kwargs = example_args(model, example_inputs)
     captured = _capture_stamped(model, args, kwargs)
     check_dtypes(captured.gm)
-    ann = annotate(captured.gm, tp, ruleset, strict=strict, sequence_parallel=sequence_parallel,
-                   cut_blocks=bool(recompute or fsdp))
+    ann = annotate(captured.gm, MeshSizes.of(tp=tp), ruleset, strict=strict,
+                   sequence_parallel=sequence_parallel, cut_blocks=bool(recompute or fsdp))
     p = build_plan(model, captured, ann, ruleset, args, kwargs)
     _CAPTURES[id(p)] = (weakref.ref(model), args, kwargs, captured)
     weakref.finalize(p, _CAPTURES.pop, id(p), None)
@@ -257,7 +257,7 @@ def _reads_from_outside(nodes, block: dict, i: int) -> set:
 def build_plan(model: nn.Module, captured: Captured, ann: Annotation, ruleset: RuleSet,
                args, kwargs) -> Plan:
     """A ``Plan`` from an annotation: its collectives are its communicating transitions."""
-    tp = ann.tp
+    tp = ann.size
     tokens = _tokens(args, kwargs)
     layouts = {captured.aliases.get(k, k): v for k, v in ann.params.items()}
     stamp = _Stamp(captured.truncated)
