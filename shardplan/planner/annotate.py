@@ -805,7 +805,8 @@ def _transitions(ann: Annotation) -> list[Transition]:
         else:
             made[key] = len(out)
             fields.setdefault("messages", (message(src),))
-            out.append(Transition(purpose, src, (edge,), dtype=dtype_of(src), **fields))
+            out.append(Transition(purpose, src, (edge,), dtype=dtype_of(src), mesh_dim=ann.dim,
+                                  **fields))
 
     for node, o in ann.outcomes.items():
         entering = any_sharded(o.out)
@@ -841,7 +842,7 @@ def _transitions(ann: Annotation) -> list[Transition]:
                        forward=Collective.NONE, backward=Collective.ALL_REDUCE)
             if isinstance(need, Shard):
                 out.append(Transition(Purpose.SPLIT, a, ((node, path),), R, need,
-                                      Collective.LOCAL_SLICE, Collective.NONE))
+                                      Collective.LOCAL_SLICE, Collective.NONE, mesh_dim=ann.dim))
         if o.role is Role.VOCAB_LOSS:
             args = args_of(node)
             names = [x.name for x in node.target._schema.arguments]
@@ -852,11 +853,13 @@ def _transitions(ann: Annotation) -> list[Transition]:
                 Purpose.VOCAB_LOSS, logits, ((node, (vocab_loss.logits,)),),
                 o.needs[(vocab_loss.logits,)], R, Collective.ALL_REDUCE, Collective.NONE,
                 # the max logit, the sum of exps (and of logits), the target's logit
-                messages=(n, (stats * math.prod(n),), n), dtype=torch.float32))
+                messages=(n, (stats * math.prod(n),), n), dtype=torch.float32,
+                mesh_dim=ann.dim))
         elif node in ann.scattered:
             out.append(Transition(Purpose.SEQ_SCATTER, node, tuple((u, None) for u in node.users),
                                   Partial(), ann.scattered[node], Collective.REDUCE_SCATTER,
-                                  Collective.ALL_GATHER, (message(node),), dtype_of(node)))
+                                  Collective.ALL_GATHER, (message(node),), dtype_of(node),
+                                  mesh_dim=ann.dim))
             owner = next((p for p, v in ann.deferred.items() if v is node), node)
             path = ann.outcomes[owner].bias
             bias = operand(owner, path) if path is not None else None
@@ -870,7 +873,7 @@ def _transitions(ann: Annotation) -> list[Transition]:
                                   tuple((u, None) for u in node.users), Partial(), R,
                                   Collective.ALL_REDUCE_MAX if maximum else Collective.ALL_REDUCE,
                                   Collective.NONE,
-                                  (message(node),), dtype_of(node)))
+                                  (message(node),), dtype_of(node), mesh_dim=ann.dim))
     out = _bucket_grad_sums(out)
     output = next(n for n in ann.gm.graph.nodes if n.op == "output")
     for a in output.all_input_nodes:
@@ -878,7 +881,7 @@ def _transitions(ann: Annotation) -> list[Transition]:
         if isinstance(lay, Shard):
             out.append(Transition(Purpose.GATHER_OUTPUT, a, ((output, None),), lay, R,
                                   Collective.ALL_GATHER, Collective.LOCAL_SLICE,
-                                  (message(a),), dtype_of(a)))
+                                  (message(a),), dtype_of(a), mesh_dim=ann.dim))
     return out
 
 
@@ -912,7 +915,7 @@ def _bucket_grad_sums(ts: list[Transition], per_block: bool = True) -> list[Tran
         if t.purpose in (Purpose.SEQ_GRAD_BUCKET, Purpose.SEQ_GRAD):
             block = block_of(owner_name(t.src)) if per_block else ()
             if all(block_of(module_of(c)) == block for c, _ in t.consumers) or not per_block:
-                groups.setdefault((block, t.dtype), []).append(i)
+                groups.setdefault((block, t.dtype, t.mesh_dim), []).append(i)
     for key, idx in groups.items():  # the bucket runs before its first reader
         first = min(c for i in idx for c, _ in ts[i].consumers)
         groups[key] = [i for i in idx if all(v.op == "get_attr" or v < first
@@ -926,7 +929,7 @@ def _bucket_grad_sums(ts: list[Transition], per_block: bool = True) -> list[Tran
             Purpose.SEQ_GRAD_BUCKET, members[0].src, sum((m.consumers for m in members), ()),
             R, R, Collective.NONE, Collective.ALL_REDUCE,
             messages=((sum(m.elements[0] for m in members),),), dtype=members[0].dtype,
-            sources=sum((m.sources or (m.src,) for m in members), ()))
+            sources=sum((m.sources or (m.src,) for m in members), ()), mesh_dim=members[0].mesh_dim)
         dropped.update(idx[1:])
     return [first.get(i, t) for i, t in enumerate(ts) if i not in dropped]
 

@@ -78,7 +78,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import LayoutError
-from ..layouts import MeshSizes, Placement, Replicate, Shard
+from ..layouts import Placement, Replicate, Shard
 from ..planner import blocks
 
 __all__ = ["to_dtensor_plan", "to_hf_tp_plan", "export_issues", "ExportIssue", "ModelCode",
@@ -407,10 +407,10 @@ class ModelCode:
                 self._whole, self._truncate = planned[3], bool(planned[3].truncated)
             else:
                 self._whole = capture(model, self._args, self._kwargs, truncate=True)
-        key = (plan.tp, plan.rules)
+        key = (plan.dims, plan.rules)
         if key not in self._annotations:
-            self._annotations[key] = annotate(self._whole.gm, MeshSizes.of(tp=plan.tp),
-                                              load_rules(plan.rules), distribute=False)
+            self._annotations[key] = annotate(self._whole.gm, plan.dims, load_rules(plan.rules),
+                                              distribute=False)
         return self._whole, self._annotations[key]
 
     def cut(self, shapes: dict):
