@@ -18,7 +18,7 @@ from torch.utils import _pytree as pytree
 from .planner.capture import PLANNING_LOCK, Captured, capture
 from .planner.annotate import Annotation, annotate
 from .planner.inputs import check_dtypes
-from .layouts import MeshSizes, Replicate, Shard, set_spec, spec_of
+from .layouts import MeshDim, MeshSizes, Replicate, Shard, set_spec, spec_of
 from .planner.plan import build_plan
 from .parallel.fsdp import OwnedPiece, adopt_tree, apply_fsdp, install_owners, route_through_owners
 from .planner.recompute import Recomputed, block_names, outline_blocks
@@ -307,7 +307,7 @@ class ShardedModule(nn.Module):
     def _finish(self, ann: Annotation, captured, args, kwargs,
                 whole: dict | None = None) -> fx.GraphModule:
         target = _input_device(args, kwargs) or _device_of(self._source[0])
-        gm = rewrite(ann, self._group, gather_output=self._gather, device=target)
+        gm = rewrite(ann, {MeshDim.TP: self._group}, gather_output=self._gather, device=target)
         if whole:
             gather_params(gm, whole, self._group)
         outlined = self.fsdp_blocks or self.recomputed
