@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import LayoutError
+from .errors import ConfigurationError, LayoutError
 
 
 class Placement:
@@ -274,6 +274,65 @@ class MeshDim(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+@dataclass(frozen=True, eq=False)
+class MeshSizes(Mapping):
+    """The number of ranks along each parallel dimension, outer to inner, as an immutable
+    mapping: ``MeshSizes.of(dp_shard=2, tp=4)[MeshDim.TP] == 4``, ``.tp`` too. A
+    dimension not listed is not parallelized (``.get(dim, 1)``)."""
+
+    sizes: tuple[tuple[MeshDim, int], ...]
+
+    def __post_init__(self):
+        items = self.sizes.items() if isinstance(self.sizes, Mapping) else self.sizes
+        sizes = {}
+        for name, n in items:
+            dim = _mesh_dim(name)
+            if not _is_int(n) or n < 1 or dim in sizes:
+                raise ConfigurationError(
+                    f"mesh dimension {dim} of size {n!r}"
+                    + (" is given twice" if dim in sizes else ""),
+                    fix="give each mesh dimension once, as a positive integer, e.g. tp=4")
+            sizes[dim] = n
+        order = list(MeshDim)
+        object.__setattr__(self, "sizes", tuple(sorted(sizes.items(),
+                                                       key=lambda kv: order.index(kv[0]))))
+
+    @classmethod
+    def of(cls, **sizes: int) -> MeshSizes:
+        return cls(tuple(sizes.items()))
+
+    def __getitem__(self, dim: MeshDim | str) -> int:
+        for d, n in self.sizes:
+            if d == dim:
+                return n
+        raise KeyError(dim)
+
+    def __iter__(self):
+        return (d for d, _ in self.sizes)
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __hash__(self) -> int:
+        return hash(self.sizes)
+
+    @property
+    def tp(self) -> int:
+        return self.get(MeshDim.TP, 1)
+
+    def __str__(self) -> str:
+        return ",".join(f"{d}={n}" for d, n in self.sizes)
+
+
+def _mesh_dim(name) -> MeshDim:
+    try:
+        return MeshDim(name)
+    except ValueError:
+        raise ConfigurationError(f"no mesh dimension named {name!r}",
+                                 fix="name one of " + ", ".join(d.value for d in MeshDim)) \
+            from None
 
 
 @dataclass(frozen=True)

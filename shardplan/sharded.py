@@ -20,7 +20,7 @@ from .planner.capture import PLANNING_LOCK, Captured, capture
 from .planner.annotate import Annotation, annotate
 from .planner.input_shapes import InputShapes
 from .planner.inputs import check_dtypes
-from .layouts import Replicate, Shard, set_spec, spec_of
+from .layouts import MeshDim, MeshSizes, Replicate, Shard, set_spec, spec_of
 from .planner.plan import build_plan
 from .parallel.fsdp import OwnedPiece, adopt_tree, apply_fsdp, install_owners, route_through_owners
 from .planner.recompute import Recomputed, block_names, outline_blocks
@@ -347,14 +347,14 @@ class ShardedModule(nn.Module):
                 check_dtypes(captured.gm)
             finally:
                 source.train(was)
-        return annotate(captured.gm, self._group.size, self._rules, strict=self._strict,
-                        sequence_parallel=self.sequence_parallel, keep=keep,
+        return annotate(captured.gm, MeshSizes.of(tp=self._group.size), self._rules,
+                        strict=self._strict, sequence_parallel=self.sequence_parallel, keep=keep,
                         cut_blocks=bool(self.recomputed or self.fsdp_blocks)), captured
 
     def _finish(self, ann: Annotation, captured, args, kwargs,
                 whole: dict | None = None) -> fx.GraphModule:
         target = _input_device(args, kwargs) or _device_of(self._source[0])
-        gm = rewrite(ann, self._group, gather_output=self._gather, device=target)
+        gm = rewrite(ann, {MeshDim.TP: self._group}, gather_output=self._gather, device=target)
         if whole:
             gather_params(gm, whole, self._group)
         outlined = self.fsdp_blocks or self.recomputed

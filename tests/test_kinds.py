@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,9 +15,13 @@ import torch.nn as nn
 
 import shardplan
 from shardplan.errors import RuleError
-from shardplan.layouts import Shard
+from shardplan.layouts import MeshDim, MeshSizes, Shard
+from shardplan.models import build
+from shardplan.planner.annotate import annotate
+from shardplan.planner.capture import capture
+from shardplan.planner.choices import cost_of as choices_cost
 from shardplan.planner.graph import args_of, shape
-from shardplan.planner.kinds import KINDS, Kind, Outcome, register
+from shardplan.planner.kinds import KINDS, Context, Kind, Outcome, register
 from shardplan.planner.kinds.base import conflict
 from shardplan.planner.rules import _bundled_dir, load_rules
 from shardplan.ranks import SimulatedRanks
@@ -146,3 +151,28 @@ def test_graph_vocab_lookup_gives_the_pad_row_no_gradient_on_every_rank():
     for rank_index, (_, grads, _) in enumerate(results):  # every rank's shard, whole
         want = ref.emb.weight.grad.chunk(2)[rank_index]
         torch.testing.assert_close(grads["emb.weight"], want, atol=1e-5, rtol=1e-5)
+
+
+def _annotated(dims: MeshSizes):
+    model = build("gpt-tiny", device="meta")
+    idx = torch.zeros(2, 8, dtype=torch.long, device="meta")
+    return annotate(capture(model, (idx, idx)).gm, dims, load_rules("megatron"))
+
+
+def test_a_rule_reads_the_size_of_the_mesh_dim_it_is_applied_to():
+    ctx = Context(MeshSizes.of(dp_shard=3, tp=2), load_rules("megatron"))
+    assert (ctx.dim, ctx.size) == (MeshDim.TP, 2)
+    assert replace(ctx, dim=MeshDim.DP_SHARD).size == 3
+    # gpt-tiny's widths (32, 96 and 128 features, 4 heads) divide by 2 and 4 but not by 3:
+    # had a rule read dp_shard's size, the plan would differ from tp=2 alone
+    with_dp, tp2, tp4 = (_annotated(MeshSizes(d)) for d in (
+        {MeshDim.DP_SHARD: 3, MeshDim.TP: 2}, {MeshDim.TP: 2}, {MeshDim.TP: 4}))
+    assert with_dp.dims == {"dp_shard": 3, "tp": 2} and with_dp.size == 2
+    sharded = {t: str(lay) for t, lay in with_dp.params.items() if isinstance(lay, Shard)}
+    assert sharded and sharded == {t: str(lay) for t, lay in tp2.params.items()
+                                   if isinstance(lay, Shard)}
+    key = lambda ann: [(t.purpose, t.src.name, str(t.before), str(t.after))  # noqa: E731
+                       for t in ann.transitions]
+    assert key(with_dp) == key(tp2)
+    # the bytes a rank holds follow tp's size
+    assert choices_cost(with_dp).params == choices_cost(tp2).params > choices_cost(tp4).params

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import re
 
 import pytest
 import torch
 
 from shardplan import LayoutError
-from shardplan.layouts import (MeshLayout, ParallelSpec, Partial, Placement, Replicate, Shard,
-                               set_spec, spec_of)
+from shardplan.errors import ConfigurationError
+from shardplan.layouts import (MeshDim, MeshLayout, MeshSizes, ParallelSpec, Partial, Placement,
+                               Replicate, Shard, set_spec, spec_of)
 
 # every field combination of a shard: dim (negative too), blocks, padding, replicas
 SHARDS = [Shard(dim, blocks, padded, replicas)
@@ -119,6 +122,30 @@ def test_mesh_layout_by_name_and_order():
 def test_malformed_mesh_layout_is_a_layout_error(text):
     with pytest.raises(LayoutError):
         MeshLayout.parse(text)
+
+
+def test_mesh_sizes_by_dim_outer_to_inner():
+    sizes = MeshSizes.of(tp=4, dp_shard=2)  # given inner first
+    assert list(sizes) == [MeshDim.DP_SHARD, MeshDim.TP] and str(sizes) == "dp_shard=2,tp=4"
+    assert sizes[MeshDim.TP] == sizes["tp"] == sizes.tp == 4 and sizes[MeshDim.DP_SHARD] == 2
+    assert sizes.get(MeshDim.PP, 1) == 1 and MeshDim.PP not in sizes
+    with pytest.raises(KeyError):
+        sizes[MeshDim.CP]
+    assert sizes == MeshSizes({MeshDim.DP_SHARD: 2, MeshDim.TP: 4}) == {"dp_shard": 2, "tp": 4}
+    assert sizes != MeshSizes.of(tp=4) and hash(sizes) == hash(MeshSizes.of(dp_shard=2, tp=4))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        sizes.sizes = ()  # immutable
+
+
+@pytest.mark.parametrize("sizes,what", [({"tp": 0}, "mesh dimension tp of size 0"),
+                                        ({"tp": 2.0}, "mesh dimension tp of size 2.0"),
+                                        ({"tp": True}, "mesh dimension tp of size True"),
+                                        ({"dp": 2}, "no mesh dimension named 'dp'"),
+                                        ((("tp", 2), (MeshDim.TP, 4)), "is given twice")])
+def test_bad_mesh_sizes_are_a_configuration_error(sizes, what):
+    with pytest.raises(ConfigurationError, match=re.escape(what)) as e:
+        MeshSizes(sizes)
+    assert e.value.fix
 
 
 def test_spec_travels_on_the_tensor():

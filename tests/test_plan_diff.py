@@ -1,13 +1,23 @@
-"""Comparing two plans: tp=2 vs tp=4, a model change, warnings, and no change at all."""
+"""Comparing two plans: tp=2 vs tp=4, a model change, warnings, no change at all, and a
+plan written before the mesh dims (schema 1)."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 import torch
 
 import shardplan
+from shardplan.cli import main
+from shardplan.layouts import MeshDim
 from shardplan.report.diff import compare_plans, diff_plans
 from shardplan.models import build
+from tests.golden_cases import plan_json
+
+# the plan part of tests/golden/gpt-tiny-tp2.json as schema 1 wrote it (``tp``, no mesh dims)
+SCHEMA_1 = Path(__file__).parent / "fixtures" / "plan-schema1-gpt-tiny-tp2.json"
 
 
 @pytest.fixture(scope="module")
@@ -95,3 +105,34 @@ def test_blocks_that_changed_differently_are_listed_apart(tiny):
     text = diff_plans(a, b)
     assert "transformer.h.1.mlp.c_fc.weight  S(0) (64, 32) -> R (128, 32)" in text
     assert "transformer.h.*" not in text
+
+
+def test_a_schema_1_plan_reads_as_a_plan_of_tp_alone():
+    raw = json.loads(SCHEMA_1.read_text())
+    assert raw["schema_version"] == 1 and raw["tp"] == 2 and "mesh" not in raw
+    assert not any("mesh_layout" in p for p in raw["params"])
+    assert not any("mesh_dim" in c for c in raw["collectives"])
+    old = shardplan.Plan.from_json(SCHEMA_1.read_text())
+    assert old.mesh == {MeshDim.TP: 2} and old.tp == 2 and old.dims.tp == 2
+    assert [p.mesh_layout for p in old.params] == [f"tp={p['layout']}" for p in raw["params"]]
+    assert any(p.mesh_layout.startswith("tp=S(") for p in old.params)
+    assert {c.mesh_dim for c in old.collectives} == {MeshDim.TP}
+    assert json.loads(old.to_json())["mesh"] == {"tp": 2}  # written back as schema 2's fields
+
+
+def test_diff_of_a_schema_1_plan_and_todays_plan_of_the_same_model(tmp_path, capsys):
+    """The golden model planned today (schema 2) against its schema-1 plan: the same plan."""
+    new = tmp_path / "new.json"
+    new.write_text(json.dumps(plan_json("gpt-tiny", 2)))
+    assert json.loads(new.read_text())["schema_version"] == 2
+    old = shardplan.Plan.from_json(SCHEMA_1.read_text())
+    d = compare_plans(old, shardplan.Plan.from_json(new.read_text()))
+    assert d.empty and d.tp == (2, 2) and d.collectives  # compared, and equal
+    assert main(["diff", str(SCHEMA_1), str(new)]) == 0
+    out = capsys.readouterr().out
+    assert "GPT at tp=2" in out and "no differences" in out
+    four = tmp_path / "four.json"
+    four.write_text(json.dumps(plan_json("gpt-tiny", 4)))
+    assert main(["diff", str(SCHEMA_1), str(four)]) == 0
+    out = capsys.readouterr().out
+    assert "tp: 2 -> 4" in out and "(48, 32)" in out and "(24, 32)" in out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,7 +11,15 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import shardplan
+from shardplan.errors import ConfigurationError
+from shardplan.layouts import MeshDim, MeshSizes
+from shardplan.planner.annotate import annotate
 from shardplan.planner.capture import capture
+from shardplan.planner.plan import build_plan
+from shardplan.planner.rewrite import rewrite
+from shardplan.planner.rules import load_rules
+from shardplan.planner.transitions import Purpose
+from shardplan.runtime.comm import Group
 from shardplan.ranks import SimulatedRanks
 from shardplan.models import build
 
@@ -286,3 +295,53 @@ def test_llama_70b_plans_on_meta():
     assert p.memory.param_bytes_unsharded == total
     assert not p.warnings
 
+
+
+class _Ranks(Group):
+    """Rank 0 of ``size`` ranks, only to be handed to the rewriter (nothing runs on it)."""
+
+    def __init__(self, size: int):
+        self.rank, self.size = 0, size
+
+
+def _moved_to_dp_shard(purpose: Purpose):
+    """gpt-tiny annotated on a dp_shard=2 x tp=2 mesh, with its transitions of ``purpose``
+    moved onto dp_shard (as a later planner of that dim would make them)."""
+    model = build("gpt-tiny")
+    idx = torch.zeros(2, 8, dtype=torch.long)
+    captured = capture(model, (idx, idx))
+    rules = load_rules("megatron")
+    ann = annotate(captured.gm, MeshSizes.of(dp_shard=2, tp=2), rules)
+    assert {t.mesh_dim for t in ann.transitions} == {MeshDim.TP}  # the engine plans tp
+    moved = [replace(t, mesh_dim=MeshDim.DP_SHARD) if t.purpose is purpose else t
+             for t in ann.transitions]
+    return model, captured, rules, (idx, idx), replace(ann, transitions=moved)
+
+
+def test_each_collective_runs_over_the_group_of_its_transitions_mesh_dim():
+    model, captured, rules, args, ann = _moved_to_dp_shard(Purpose.G)
+    tp, dp = _Ranks(2), _Ranks(2)
+    gm = rewrite(ann, {MeshDim.TP: tp, MeshDim.DP_SHARD: dp})
+    mods = dict(gm.named_children())
+    g = [m for n, m in mods.items() if n.startswith("tp_g_")]
+    f = [m for n, m in mods.items() if n.startswith("tp_f_")]
+    assert len(g) == sum(t.purpose is Purpose.G for t in ann.transitions) > 0 and f
+    assert all(m.group is dp for m in g) and all(m.group is tp for m in f)
+    others = {type(m).__name__ for n, m in mods.items()
+              if n.startswith("tp_") and not n.startswith("tp_g_")
+              and getattr(m, "group", None) is tp}
+    assert others >= {"CopyToRegion", "GatherShard", "VocabCrossEntropy"}
+    assert not [n for n, m in mods.items() if getattr(m, "group", tp) not in (tp, dp)]
+    plan = build_plan(model, captured, ann, rules, args, {})
+    assert {c.mesh_dim for c in plan.collectives if c.purpose == "g"} == {MeshDim.DP_SHARD}
+    assert {c.mesh_dim for c in plan.collectives if c.purpose != "g"} == {MeshDim.TP}
+
+
+def test_rewrite_refuses_a_missing_or_wrong_sized_group():
+    *_, ann = _moved_to_dp_shard(Purpose.F)
+    with pytest.raises(ConfigurationError, match="no group for mesh dimension dp_shard") as e:
+        rewrite(ann, {MeshDim.TP: _Ranks(2)})
+    assert "MeshDim.DP_SHARD" in e.value.fix
+    with pytest.raises(ConfigurationError, match="dp_shard has 4 ranks, but the annotation "
+                                                 "planned dp_shard=2"):
+        rewrite(ann, {MeshDim.TP: _Ranks(2), MeshDim.DP_SHARD: _Ranks(4)})

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
 import shardplan
+from shardplan.layouts import MeshLayout, MeshSizes, Placement, Shard
 from shardplan.planner.capture import capture
 from shardplan.models import build
 from shardplan.ranks import SimulatedRanks
@@ -321,3 +323,16 @@ def test_parameters_on_several_devices():
     model.lm_head.to("meta")
     with pytest.raises(shardplan.ConfigurationError, match="several devices"):
         SimulatedRanks(1).run(lambda ctx: shardplan.parallelize(model, group=ctx.group))
+
+
+def test_plan_entries_say_their_mesh_dims():
+    p = shardplan.plan(build("gpt-tiny"), 2)
+    data = json.loads(p.to_json())
+    assert data["schema_version"] == 2 and data["mesh"] == {"tp": 2}
+    assert data["tp"] == 2  # still written, for readers of schema 1
+    assert p.dims == MeshSizes.of(tp=2) and p.tp == 2
+    for e in p.params:
+        lay = MeshLayout.parse(e.mesh_layout)
+        assert lay.names == ("tp",) and lay["tp"] == Placement.parse(e.layout)
+    assert any(isinstance(MeshLayout.parse(e.mesh_layout)["tp"], Shard) for e in p.params)
+    assert p.collectives and {c["mesh_dim"] for c in data["collectives"]} == {"tp"}

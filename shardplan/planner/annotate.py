@@ -38,7 +38,7 @@ import torch.fx as fx
 from .blocks import split_first
 from .capture import GUARDS, module_of, source_of
 from ..errors import ConfigurationError, DivisibilityError, LayoutError, ShardplanError
-from ..layouts import Partial, Replicate, Shard
+from ..layouts import MeshDim, MeshSizes, Partial, Replicate, Shard
 from .graph import args_of, describe, floating, hint, op_name, operand, operands, shape
 from .kinds import KINDS, Conflict, Context, Outcome, Role
 from .kinds.base import any_sharded, cumsum, replicated_like
@@ -58,10 +58,13 @@ R = Replicate()
 
 @dataclass
 class Annotation:
-    """The engine's result for one graph at one tp; never changed after ``annotate``."""
+    """The engine's result for one graph on one mesh; never changed after ``annotate``.
+
+    The layouts and transitions are placements along ``dim`` (tp), the mesh dimension
+    the engine plans; ``dims`` are the sizes of every dimension of the mesh."""
 
     gm: fx.GraphModule
-    tp: int
+    dims: MeshSizes
     layouts: dict  # fx.Node -> Layout | tuple | None (a row-parallel output is Partial)
     outcomes: dict  # fx.Node -> Outcome
     params: dict  # get_attr target -> Layout
@@ -86,6 +89,12 @@ class Annotation:
     # op with no rule for a shard it reads (a fallback; all-gathering it would do) -> openers
     blocked: dict = field(default_factory=dict)
     choices: list = field(default_factory=list)  # [choices.Choice], one per weighed region
+    dim: MeshDim = MeshDim.TP
+
+    @property
+    def size(self) -> int:
+        """The ranks along ``dim``: the parts a shard of these layouts is split into."""
+        return self.dims[self.dim]
 
     def read(self, node: fx.Node, consumer: fx.Node | None = None, path=None):
         """The layout ``consumer`` reads of ``node`` (after its g, scatter or gather)."""
@@ -99,10 +108,11 @@ class Annotation:
         return isinstance(lay, Shard) and lay.dim in self.seq_dims.get(node, ())
 
 
-def annotate(gm: fx.GraphModule, tp: int, rules: RuleSet, *, strict: bool = False,
+def annotate(gm: fx.GraphModule, dims: MeshSizes, rules: RuleSet, *, strict: bool = False,
              sequence_parallel: bool = False, keep: dict | None = None,
              distribute: bool = True, cut_blocks: bool = True) -> Annotation:
-    """Layouts and transitions for every node of ``gm`` under tensor parallelism ``tp``.
+    """Layouts and transitions for every node of ``gm`` under tensor parallelism
+    ``dims.tp`` (``dims``: the sizes of the mesh's dimensions).
 
     Openers whose regions reach an op that cannot run locally are kept
     replicated and the pass repeats. A split that does not divide by tp is
@@ -127,7 +137,7 @@ def annotate(gm: fx.GraphModule, tp: int, rules: RuleSet, *, strict: bool = Fals
     the graph block by block), else in one all-reduce per step, after the last of them.
     """
     settle = lambda g, whole, gather: _settle(  # noqa: E731
-        g, tp, rules, strict, sequence_parallel, keep, whole, gather)
+        g, dims, rules, strict, sequence_parallel, keep, whole, gather)
     whole = _reductions(gm, rules)  # names of the reductions kept whole (all, to start)
     gather = frozenset()  # names of the ops whose split operands are all-gathered
     ann = settle(gm, whole, gather)
@@ -234,7 +244,7 @@ def _gathered(gm, ann: Annotation, settle, whole: frozenset, gather: frozenset, 
         names = names | more
 
 
-def _settle(gm, tp, rules, strict, sequence_parallel, keep, whole, gather) -> Annotation:
+def _settle(gm, dims, rules, strict, sequence_parallel, keep, whole, gather) -> Annotation:
     """``annotate`` with the reductions ``whole`` kept from running distributed and the
     shards read by the ops ``gather`` all-gathered for them."""
     params = dict(gm.named_parameters(remove_duplicate=False))
@@ -246,7 +256,7 @@ def _settle(gm, tp, rules, strict, sequence_parallel, keep, whole, gather) -> An
     stopped: dict = {}
     blocked: dict = {}
     while True:
-        pas = _Pass(gm, tp, rules, params, disabled,
+        pas = _Pass(gm, dims, rules, params, disabled,
                     {o: r for o, (r, _) in replicas.items()}, seq_dims, whole, split, gather)
         ann, conflicts = pas.run()
         wanted = {n: held for n, held in pas.wanted.items() if n not in split and
@@ -278,7 +288,7 @@ def _settle(gm, tp, rules, strict, sequence_parallel, keep, whole, gather) -> An
                     retry = True
                     continue
                 raise DivisibilityError(c.reason, where=describe(c.node), source=source_of(c.node),
-                                        fix=_divisible_fix(c.sizes, tp))
+                                        fix=_divisible_fix(c.sizes, ann.dim, ann.size))
             if strict and not c.closes:
                 raise LayoutError(c.reason, where=describe(c.node), source=source_of(c.node),
                                   fix="add a rule for this op, or drop strict=True to keep the "
@@ -299,21 +309,23 @@ def _settle(gm, tp, rules, strict, sequence_parallel, keep, whole, gather) -> An
     if sequence_parallel:
         ann.warnings += _sequence_fallbacks(ann)
     else:
-        ann.passed = pass_partials(ann.layouts, ann.outcomes, Context(tp, rules))
+        ann.passed = pass_partials(ann.layouts, ann.outcomes, Context(dims, rules))
     ann.transitions = _transitions(ann)
     return ann
 
 
-def _divisible_fix(sizes: tuple[int, ...], tp: int) -> str:
-    """The tps that divide every one of ``sizes``, or what to change when none > 1 does."""
+def _divisible_fix(sizes: tuple[int, ...], dim: str, size: int) -> str:
+    """The sizes of mesh dim ``dim`` that divide every one of ``sizes``, or what to change
+    when none > 1 does."""
     if not sizes:
-        return f"choose a tp dividing that size (tp={tp} does not)"
+        return f"choose a {dim} dividing that size ({dim}={size} does not)"
     counts = " and ".join(map(str, sizes))
-    tps = [t for t in range(2, min(max(sizes), 64) + 1) if all(n % t == 0 for n in sizes)]
-    if tps:
-        return f"choose a tp dividing {counts}: {', '.join(map(str, tps))} (tp={tp} does not)"
-    return (f"no tp > 1 divides {counts}: run this model at tp=1, or give it a head count "
-            f"(or width) that divides by tp={tp}")
+    fits = [t for t in range(2, min(max(sizes), 64) + 1) if all(n % t == 0 for n in sizes)]
+    if fits:
+        return (f"choose a {dim} dividing {counts}: {', '.join(map(str, fits))} "
+                f"({dim}={size} does not)")
+    return (f"no {dim} > 1 divides {counts}: run this model at {dim}=1, or give it a head "
+            f"count (or width) that divides by {dim}={size}")
 
 
 def _wanted(c: Conflict, opener: fx.Node, ann: Annotation):
@@ -376,14 +388,15 @@ def read_as(lay):
 
 
 class _Pass:
-    def __init__(self, gm, tp, rules: RuleSet, params, disabled, replicas, seq_dims, whole,
-                 split, gather=frozenset()):
-        self.gm, self.tp, self.rules, self.params, self.disabled = gm, tp, rules, params, disabled
+    def __init__(self, gm, dims: MeshSizes, rules: RuleSet, params, disabled, replicas, seq_dims,
+                 whole, split, gather=frozenset()):
+        self.gm, self.rules, self.params, self.disabled = gm, rules, params, disabled
         self.split = split  # a parameter held split, and its views -> (layout, parameter)
         self.gather = gather  # names of ops whose split operands are all-gathered for them
         self.wanted: dict = {}  # the same, found needed by this pass, for the next
         self.grad: dict = {}
-        self.ctx = Context(tp, rules, whole, self.grad)
+        self.ctx = Context(dims, rules, whole, self.grad)
+        self.dim, self.size = self.ctx.dim, self.ctx.size  # the mesh dim planned, its ranks
         self.replicas = replicas
         self.seq_dims = seq_dims  # empty unless sequence parallel
         self.scattered: dict = {}
@@ -399,10 +412,11 @@ class _Pass:
     def run(self):
         for node in self.gm.graph.nodes:
             self._visit(node)
-        ann = Annotation(self.gm, self.tp, self.layouts, self.outcomes,
+        ann = Annotation(self.gm, self.ctx.dims, self.layouts, self.outcomes,
                          {t: lay for t, (lay, _) in self.param_layouts.items()},
                          self.grad, {}, [], self.rules, [],
-                         self.scattered, self.gathered, self.seq_dims, self.deferred)
+                         self.scattered, self.gathered, self.seq_dims, self.deferred,
+                         dim=self.dim)
         return ann, self.conflicts
 
     # ----------------------------------------------------------------- per node
@@ -584,15 +598,16 @@ class _Pass:
         if isinstance(r, tuple) and len(r) != len(blocks or ()):
             r = max(r)  # the blocks a conflict saw are not this capture's
         reps = r if isinstance(r, tuple) else (r,) * len(blocks or [size])
-        if any(b % (self.tp // k) for b, k in zip(blocks or [size], reps)):
+        if any(b % (self.size // k) for b, k in zip(blocks or [size], reps)):
             if blocks is None and self.rules.strategy.pad_vocabulary and _only_to_sinks(node, self.ctx):
-                padded = math.ceil(size / self.tp) * self.tp
+                padded = math.ceil(size / self.size) * self.size
             elif blocks is None and r == 1:
-                return _too_narrow(node, size, self.tp)
+                return _too_narrow(node, size, f"{self.dim}={self.size}")
             else:
                 return Outcome(None, conflict=Conflict(
                     node, f"{module_of(node) or node.name}: output size "
-                          f"{'+'.join(map(str, blocks or [size]))} does not divide by tp={self.tp}",
+                          f"{'+'.join(map(str, blocks or [size]))} does not divide by "
+                          f"{self.dim}={self.size}",
                     divisibility=True, sizes=tuple(blocks or [size])))
         shard = lambda d: Shard(d, blocks, padded, r)  # noqa: E731
         needs = {(spec.weight,): shard(wdim)}
@@ -613,10 +628,10 @@ class _Pass:
         if rows < spec.min_rows_per_column * cols or not _from_input(idx, self.ctx):
             return None
         padded = None
-        if rows % self.tp:
+        if rows % self.size:
             if not self.rules.strategy.pad_vocabulary:
                 return None
-            padded = math.ceil(rows / self.tp) * self.tp
+            padded = math.ceil(rows / self.size) * self.size
         return Outcome(Partial(), {(spec.weight,): Shard(0, None, padded)},
                        role=Role.VOCAB_EMBEDDING, rule="vocab-parallel embedding")
 
@@ -633,12 +648,12 @@ class _Pass:
 
 # --------------------------------------------------------------------------- strategy helpers
 
-def _too_narrow(node: fx.Node, size: int, tp: int) -> Outcome:
-    """A GEMM whose output does not split into tp parts (a 1-wide gate, an odd FFN)
-    stays replicated: a plan decision, as Megatron keeps small layers whole. Only
+def _too_narrow(node: fx.Node, size: int, parts: str) -> Outcome:
+    """A GEMM whose output does not split into ``parts`` (``tp=4``; a 1-wide gate, an odd
+    FFN) stays replicated: a plan decision, as Megatron keeps small layers whole. Only
     a cut that the model's own structure forces (heads, fused projections) is refused."""
     return Outcome(None, conflict=Conflict(
-        node, f"output size {size} does not divide by tp={tp}", frozenset({node}), closes=True))
+        node, f"output size {size} does not divide by {parts}", frozenset({node}), closes=True))
 
 
 def _kept_replicated(gm: fx.GraphModule, rules: RuleSet, keep: dict) -> dict:
@@ -808,7 +823,8 @@ def _transitions(ann: Annotation) -> list[Transition]:
         else:
             made[key] = len(out)
             fields.setdefault("messages", (message(src),))
-            out.append(Transition(purpose, src, (edge,), dtype=dtype_of(src), **fields))
+            out.append(Transition(purpose, src, (edge,), dtype=dtype_of(src), mesh_dim=ann.dim,
+                                  **fields))
 
     for node, o in ann.outcomes.items():
         entering = any_sharded(o.out)
@@ -839,12 +855,12 @@ def _transitions(ann: Annotation) -> list[Transition]:
                 continue
             if entering and ann.requires_grad.get(a):
                 src, edge = (a, (node, path)) if ann.seq_dims else \
-                    earlier_f(node, path, a, ann.requires_grad, Context(ann.tp, ann.rules))
+                    earlier_f(node, path, a, ann.requires_grad, Context(ann.dims, ann.rules))
                 shared(grad_sum, src, edge, before=R, after=R,
                        forward=Collective.NONE, backward=Collective.ALL_REDUCE)
             if isinstance(need, Shard):
                 out.append(Transition(Purpose.SPLIT, a, ((node, path),), R, need,
-                                      Collective.LOCAL_SLICE, Collective.NONE))
+                                      Collective.LOCAL_SLICE, Collective.NONE, mesh_dim=ann.dim))
         if o.role is Role.VOCAB_LOSS:
             args = args_of(node)
             names = [x.name for x in node.target._schema.arguments]
@@ -855,11 +871,13 @@ def _transitions(ann: Annotation) -> list[Transition]:
                 Purpose.VOCAB_LOSS, logits, ((node, (vocab_loss.logits,)),),
                 o.needs[(vocab_loss.logits,)], R, Collective.ALL_REDUCE, Collective.NONE,
                 # the max logit, the sum of exps (and of logits), the target's logit
-                messages=(n, (stats * math.prod(n),), n), dtype=torch.float32))
+                messages=(n, (stats * math.prod(n),), n), dtype=torch.float32,
+                mesh_dim=ann.dim))
         elif node in ann.scattered:
             out.append(Transition(Purpose.SEQ_SCATTER, node, tuple((u, None) for u in node.users),
                                   Partial(), ann.scattered[node], Collective.REDUCE_SCATTER,
-                                  Collective.ALL_GATHER, (message(node),), dtype_of(node)))
+                                  Collective.ALL_GATHER, (message(node),), dtype_of(node),
+                                  mesh_dim=ann.dim))
             owner = next((p for p, v in ann.deferred.items() if v is node), node)
             path = ann.outcomes[owner].bias
             bias = operand(owner, path) if path is not None else None
@@ -873,7 +891,7 @@ def _transitions(ann: Annotation) -> list[Transition]:
                                   tuple((u, None) for u in node.users), Partial(), R,
                                   Collective.ALL_REDUCE_MAX if maximum else Collective.ALL_REDUCE,
                                   Collective.NONE,
-                                  (message(node),), dtype_of(node)))
+                                  (message(node),), dtype_of(node), mesh_dim=ann.dim))
     out = _bucket_grad_sums(out)
     output = next(n for n in ann.gm.graph.nodes if n.op == "output")
     for a in output.all_input_nodes:
@@ -881,7 +899,7 @@ def _transitions(ann: Annotation) -> list[Transition]:
         if isinstance(lay, Shard):
             out.append(Transition(Purpose.GATHER_OUTPUT, a, ((output, None),), lay, R,
                                   Collective.ALL_GATHER, Collective.LOCAL_SLICE,
-                                  (message(a),), dtype_of(a)))
+                                  (message(a),), dtype_of(a), mesh_dim=ann.dim))
     return out
 
 
@@ -915,7 +933,7 @@ def _bucket_grad_sums(ts: list[Transition], per_block: bool = True) -> list[Tran
         if t.purpose in (Purpose.SEQ_GRAD_BUCKET, Purpose.SEQ_GRAD):
             block = block_of(owner_name(t.src)) if per_block else ()
             if all(block_of(module_of(c)) == block for c, _ in t.consumers) or not per_block:
-                groups.setdefault((block, t.dtype), []).append(i)
+                groups.setdefault((block, t.dtype, t.mesh_dim), []).append(i)
     for key, idx in groups.items():  # the bucket runs before its first reader
         first = min(c for i in idx for c, _ in ts[i].consumers)
         groups[key] = [i for i in idx if all(v.op == "get_attr" or v < first
@@ -929,7 +947,7 @@ def _bucket_grad_sums(ts: list[Transition], per_block: bool = True) -> list[Tran
             Purpose.SEQ_GRAD_BUCKET, members[0].src, sum((m.consumers for m in members), ()),
             R, R, Collective.NONE, Collective.ALL_REDUCE,
             messages=((sum(m.elements[0] for m in members),),), dtype=members[0].dtype,
-            sources=sum((m.sources or (m.src,) for m in members), ()))
+            sources=sum((m.sources or (m.src,) for m in members), ()), mesh_dim=members[0].mesh_dim)
         dropped.update(idx[1:])
     return [first.get(i, t) for i, t in enumerate(ts) if i not in dropped]
 

@@ -67,6 +67,6 @@ def cost_of(ann) -> Cost:
         if id(p) in seen:
             continue
         seen.add(id(p))
-        params += math.prod(local_shape(tuple(p.shape), ann.params.get(name), ann.tp)) \
+        params += math.prod(local_shape(tuple(p.shape), ann.params.get(name), ann.size)) \
             * p.element_size() * (2 if p.requires_grad else 1)
     return Cost(moved, params)

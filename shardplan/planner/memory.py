@@ -149,7 +149,8 @@ def saved_activations(model: nn.Module, captured: Captured, ann: Annotation, arg
     """(bytes outside the blocks, [bytes of each real block], blocks) rank 0 keeps for
     backward. The graph runs at the model's dtypes; floating tensors count at ``dtype``
     (ops that keep fp32 statistics under 16-bit autocast are not modelled)."""
-    gm = rewrite(ann, _ShapeGroup(ann.tp), gather_output=False, device=torch.device("cpu"))
+    gm = rewrite(ann, {d: _ShapeGroup(n) for d, n in ann.dims.items()}, gather_output=False,
+                 device=torch.device("cpu"))
     names = _blocks(model, recompute)
     labels = _labels(gm, names)
     with FakeTensorMode(allow_non_fake_inputs=False):
@@ -215,7 +216,7 @@ def _fake_locals(model: nn.Module, captured: Captured, ann: Annotation) -> dict[
         if canon not in made:
             owner, _, leaf = canon.rpartition(".")
             full = getattr(model.get_submodule(owner) if owner else model, leaf)
-            shape = local_shape(tuple(full.shape), layouts.get(canon, Replicate()), ann.tp)
+            shape = local_shape(tuple(full.shape), layouts.get(canon, Replicate()), ann.size)
             t = torch.empty(shape, dtype=full.dtype)
             made[canon] = nn.Parameter(t) if isinstance(full, nn.Parameter) else t
         out[fqn] = made[canon]

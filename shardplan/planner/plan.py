@@ -1,10 +1,14 @@
 """plan: the decisions as data.
 
-A ``Plan`` lists every parameter's layout and local shape, every collective
-(kind, direction, bytes, graph node, source line), every decision with the
-rule that made it, per-rank memory and warnings. It is built from the
-annotation's transitions, the list the rewriter executes, so it cannot
-disagree with the runtime.
+A ``Plan`` lists every parameter's layout (per mesh dim) and local shape,
+every collective (kind, direction, the mesh dim whose ranks it runs over,
+bytes, graph node, source line), every decision with the rule that made it,
+per-rank memory and warnings. It is built from the annotation's transitions,
+the list the rewriter executes, so it cannot disagree with the runtime.
+
+Schema 2 added the mesh: ``Plan.mesh`` (the sizes of its mesh dims; ``tp`` is still
+written, for readers of schema 1), ``ParamEntry.mesh_layout`` and
+``CollectiveEntry.mesh_dim``. A schema-1 plan reads as a plan of tp alone.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import weakref
 
 import torch
 import torch.nn as nn
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, computed_field, field_validator, model_validator
 
 from . import blocks
 from .capture import Captured, capture, has_repeated_blocks, module_of, source_of
@@ -25,29 +29,40 @@ from ..errors import CaptureError
 from .inputs import check_dtypes, check_model_arg, example_args
 from .kinds import Role
 from .memory import MemoryEstimate, estimate
-from ..layouts import Replicate, Shard
+from ..layouts import MeshDim, MeshLayout, MeshSizes, Replicate, Shard
 from .rules import RuleSet, load_rules
 from .shards import local_shape
 from .transitions import Purpose, Transition, message
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 class ParamEntry(BaseModel):
     name: str
     aliases: list[str] = []
-    layout: str
+    layout: str = Field(description="the placement along tp (mesh_layout's tp entry)")
+    mesh_layout: str = Field(description="the placement along each mesh dim the plan decides: "
+                                         "tp=S(0) (``MeshLayout.parse`` reads it)")
     global_shape: list[int]
     local_shape: list[int]
     dtype: str
     bytes_per_rank: int
     rule: str
 
+    @model_validator(mode="before")
+    @classmethod
+    def _schema_1(cls, data):
+        """A schema-1 entry has no mesh layout: its layout is the tp placement."""
+        if isinstance(data, dict) and "mesh_layout" not in data and "layout" in data:
+            return {**data, "mesh_layout": f"{MeshDim.TP}={data['layout']}"}
+        return data
+
 
 class CollectiveEntry(BaseModel):
     kind: str  # the c10d collective: all_reduce | all_gather | reduce_scatter
     direction: str  # forward | backward
     purpose: Purpose
+    mesh_dim: MeshDim = MeshDim.TP  # whose ranks it runs over
     elements: int  # for the plan's example inputs
     elements_per_token: float
     bytes: int
@@ -89,11 +104,12 @@ class Memory(BaseModel):
 
 
 class Plan(BaseModel):
-    """What shardplan decided for one model at one tp."""
+    """What shardplan decided for one model on one mesh (``tp`` ranks, today)."""
 
     schema_version: int = SCHEMA_VERSION
     model: str
-    tp: int
+    mesh: dict[MeshDim, int] = Field(description="ranks along each mesh dim, outer to inner: "
+                                                 "{\"tp\": 4}")
     rules: str
     tokens: int = Field(description="tokens (batch x sequence) of the example inputs")
     params: list[ParamEntry]
@@ -110,6 +126,30 @@ class Plan(BaseModel):
         default=[], description="regions reaching a reduction over their split dim or an op "
                                 "with no rule for their parts: run it distributed, keep the "
                                 "region replicated or gather the shard there, the cheapest kept")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _schema_1(cls, data):
+        """A schema-1 plan says ``tp``: its mesh is tp alone."""
+        if isinstance(data, dict) and "mesh" not in data and "tp" in data:
+            return {**data, "mesh": {MeshDim.TP.value: data["tp"]}}
+        return data
+
+    @field_validator("mesh")
+    @classmethod
+    def _sizes(cls, mesh):
+        return dict(MeshSizes(mesh))  # positive sizes, outer to inner
+
+    @property
+    def dims(self) -> MeshSizes:
+        """``mesh`` as the planner's value (``plan.dims[MeshDim.TP]``, ``plan.dims.tp``)."""
+        return MeshSizes(self.mesh)
+
+    @computed_field
+    @property
+    def tp(self) -> int:
+        """The ranks along tp (``mesh["tp"]``)."""
+        return self.dims.tp
 
     def count(self, **match) -> int:
         return sum(1 for c in self.collectives
@@ -180,8 +220,8 @@ def plan(model: nn.Module, tp: int, *, example_inputs=None, rules="megatron",
     args, kwargs = example_args(model, example_inputs)
     captured = _capture_stamped(model, args, kwargs)
     check_dtypes(captured.gm)
-    ann = annotate(captured.gm, tp, ruleset, strict=strict, sequence_parallel=sequence_parallel,
-                   cut_blocks=bool(recompute or fsdp))
+    ann = annotate(captured.gm, MeshSizes.of(tp=tp), ruleset, strict=strict,
+                   sequence_parallel=sequence_parallel, cut_blocks=bool(recompute or fsdp))
     p = build_plan(model, captured, ann, ruleset, args, kwargs)
     _CAPTURES[id(p)] = (weakref.ref(model), args, kwargs, captured)
     weakref.finalize(p, _CAPTURES.pop, id(p), None)
@@ -257,17 +297,16 @@ def _reads_from_outside(nodes, block: dict, i: int) -> set:
 def build_plan(model: nn.Module, captured: Captured, ann: Annotation, ruleset: RuleSet,
                args, kwargs) -> Plan:
     """A ``Plan`` from an annotation: its collectives are its communicating transitions."""
-    tp = ann.tp
     tokens = _tokens(args, kwargs)
     layouts = {captured.aliases.get(k, k): v for k, v in ann.params.items()}
     stamp = _Stamp(captured.truncated)
-    params = _params(model, captured, layouts, tp, stamp)
+    params = _params(model, captured, layouts, ann, stamp)
     collectives = stamp.entries(_collectives([stamp.bucket(t) for t in ann.transitions], tokens))
     decisions = stamp.entries(_decisions(ann))
     choices = stamp.entries([_choice(c) for c in ann.choices])
     per_rank = sum(p.bytes_per_rank for p in params)
     unsharded = sum(math.prod(p.global_shape) * _itemsize(p.dtype) for p in params)
-    return Plan(model=type(model).__name__, tp=tp, rules=ruleset.name, tokens=tokens,
+    return Plan(model=type(model).__name__, mesh=dict(ann.dims), rules=ruleset.name, tokens=tokens,
                 params=params, collectives=collectives, decisions=decisions,
                 warnings=list(ann.warnings),
                 memory=Memory(param_bytes_per_rank=per_rank, param_bytes_unsharded=unsharded),
@@ -334,7 +373,7 @@ def _collectives(transitions: list[Transition], tokens: int) -> list[CollectiveE
                 continue
             for elements in t.elements:
                 out.append(CollectiveEntry(
-                    kind=coll.c10d, direction=direction, purpose=t.purpose,
+                    kind=coll.c10d, direction=direction, purpose=t.purpose, mesh_dim=t.mesh_dim,
                     elements=elements, elements_per_token=elements / max(tokens, 1),
                     bytes=elements * size, node=t.src.name, module=module_of(at),
                     source=source_of(at)))
@@ -345,17 +384,18 @@ def _itemsize(dtype: str) -> int:
     return torch.empty((), dtype=getattr(torch, dtype.replace("torch.", ""))).element_size()
 
 
-def _params(model, captured: Captured, layouts, tp, stamp) -> list[ParamEntry]:
+def _params(model, captured: Captured, layouts, ann: Annotation, stamp) -> list[ParamEntry]:
     by_canon: dict[str, list[str]] = {}
     for fqn, canon in captured.aliases.items():
         by_canon.setdefault(canon, []).append(fqn)
     entries = []
     for name, p in model.named_parameters():
         lay = layouts.get(stamp.origin(name), Replicate())
-        local = local_shape(tuple(p.shape), lay, tp)
+        local = local_shape(tuple(p.shape), lay, ann.size)
         entries.append(ParamEntry(
             name=name, aliases=[a for a in by_canon.get(name, []) if a != name],
-            layout=str(lay), global_shape=list(p.shape), local_shape=list(local),
+            layout=str(lay), mesh_layout=str(MeshLayout(((ann.dim.value, lay),))),
+            global_shape=list(p.shape), local_shape=list(local),
             dtype=str(p.dtype).replace("torch.", ""),
             bytes_per_rank=math.prod(local) * p.element_size(),
             rule=_param_rule(lay)))

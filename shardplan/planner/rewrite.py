@@ -5,8 +5,11 @@ annotation is never changed): f, g, local slices, replica sums and output
 gathers become named modules (``tp_f_0``, ``tp_g_3``); the ops whose role
 says so are replaced (the vocab-parallel lookup and loss, random ops on a
 sharded region); a row-parallel bias moves after its g; and each kind
-rewrites its size arguments for the local shard. Parameters are bound
-separately (``bind``), so every capture of one model shares the same shards.
+rewrites its size arguments for the local shard. Each inserted collective
+runs over this rank's group along its transition's mesh dimension (``groups``);
+the ops replaced by role, over the group of the dimension the annotation
+plans. Parameters are bound separately (``bind``), so every capture of one
+model shares the same shards.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import copy
 import operator
 import warnings
+from collections.abc import Mapping
 
 import torch
 import torch.fx as fx
@@ -25,7 +29,8 @@ from .graph import args_of, op_name, operand, operands, replace_operand, set_arg
 from .kinds import KINDS, Role
 from .token_order import keep_gathered_order
 from .transitions import Collective, Purpose, Transition
-from ..layouts import Shard
+from ..errors import ConfigurationError
+from ..layouts import MeshDim, Shard
 from ..runtime.comm import Group
 from ..runtime.graph_ops import (CopyToRegion, GatherSequence, GatherShard,
                                 LinearsOnGatheredSequence, LocalShard, MaxOverRanks,
@@ -36,14 +41,18 @@ from ..runtime.graph_ops import (CopyToRegion, GatherSequence, GatherShard,
 aten = torch.ops.aten
 
 
-def rewrite(ann: Annotation, group: Group, *, gather_output: bool = True,
+def rewrite(ann: Annotation, groups: Mapping[MeshDim, Group], *, gather_output: bool = True,
             device: torch.device | None = None) -> fx.GraphModule:
-    """The graph ``group.rank`` runs: a rewritten copy of ``ann.gm`` (sharing its tensors)."""
+    """The graph this rank runs: a rewritten copy of ``ann.gm`` (sharing its tensors).
+
+    ``groups``: this rank's group along each mesh dimension the annotation acts on
+    (``{MeshDim.TP: group}``), of the annotation's size there."""
+    _check_groups(ann, groups)
     gm, env = _copy(ann.gm)
-    rw = _Rewriter(ann, group, gm, env)
+    rw = _Rewriter(ann, groups, gm, env)
     rw.run()
-    keep_gathered_order(gm, group.size, {node: ann.outcomes[orig].out
-                                         for orig, node in env.items() if orig in ann.outcomes})
+    keep_gathered_order(gm, rw.group.size, {node: ann.outcomes[orig].out
+                                            for orig, node in env.items() if orig in ann.outcomes})
     if gather_output:
         rw.gather_outputs()
     if device is not None:
@@ -51,6 +60,23 @@ def rewrite(ann: Annotation, group: Group, *, gather_output: bool = True,
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _check_groups(ann: Annotation, groups: Mapping[MeshDim, Group]) -> None:
+    """A group for the planned dim and every transition's, each of the annotated size."""
+    for dim in dict.fromkeys([ann.dim, *(t.mesh_dim for t in ann.transitions)]):
+        group, size = groups.get(dim), ann.dims.get(dim)
+        if group is None:
+            raise ConfigurationError(
+                f"no group for mesh dimension {dim}: rewrite was given groups for "
+                f"{', '.join(map(str, groups)) or 'none'}", where="rewrite",
+                fix=f"pass groups={{MeshDim.{dim.name}: group}}, this rank's group along {dim}")
+        if group.size != size:
+            raise ConfigurationError(
+                f"the group for mesh dimension {dim} has {group.size} ranks, but the "
+                f"annotation planned {dim}={size}", where="rewrite",
+                fix=f"annotate with the group's size ({dim}={group.size}), or pass the group "
+                    "the annotation was made for")
 
 
 def _copy(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict]:
@@ -63,8 +89,10 @@ def _copy(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict]:
 
 
 class _Rewriter:
-    def __init__(self, ann: Annotation, group: Group, gm: fx.GraphModule, env: dict):
-        self.ann, self.group, self.gm, self.graph = ann, group, gm, gm.graph
+    def __init__(self, ann: Annotation, groups: Mapping[MeshDim, Group], gm: fx.GraphModule,
+                 env: dict):
+        self.ann, self.groups, self.gm, self.graph = ann, groups, gm, gm.graph
+        self.group = groups[ann.dim]  # the planned dim's: the ops replaced by role run on it
         self.env = env  # annotated node -> the node computing it here
         self.reduced: dict = {}  # annotated partial node -> the node holding its sum
         self.shared: dict = {}  # (src, purpose) -> the node of a transition shared by consumers
@@ -74,14 +102,21 @@ class _Rewriter:
         self.gathers: list[Transition] = []
         self.bias: dict = {}  # annotated view -> the bias of the partial result it views
         self.fused: set = set()  # annotated linears run by the first linear sharing their input
+        self.losses: dict = {}  # annotated vocab-parallel loss node -> its VOCAB_LOSS transition
         for t in ann.transitions:
             if t.purpose in (Purpose.G, Purpose.SEQ_SCATTER, Purpose.STAT):
                 self.after[t.src] = t
             elif t.purpose is Purpose.GATHER_OUTPUT:
                 self.gathers.append(t)
-            elif t.purpose is not Purpose.VOCAB_LOSS:  # the loss op itself realises it
+            elif t.purpose is Purpose.VOCAB_LOSS:  # the loss op itself realises it
+                self.losses[t.consumers[0][0]] = t
+            else:
                 for edge in t.consumers:
                     self.at_edge.setdefault(edge, []).append(t)
+
+    def _group_of(self, t: Transition) -> Group:
+        """The group ``t``'s collectives run over: this rank's along its mesh dim."""
+        return self.groups[t.mesh_dim]
 
     def _module(self, kind: str, mod: nn.Module) -> str:
         n = self.count[kind] = self.count.get(kind, -1) + 1
@@ -148,25 +183,25 @@ class _Rewriter:
         node ``src``) into."""
         if t.purpose is Purpose.SEQ_GRAD_BUCKET:
             return self._bucket(t, consumer)[src]
+        group = self._group_of(t)
         if t.purpose is Purpose.SPLIT:
             with self.graph.inserting_before(consumer):
                 return self.graph.call_module(
-                    self._module("shard", LocalShard(t.after, self.group.rank, self.group.size)),
-                    (value,))
+                    self._module("shard", LocalShard(t.after, group.rank, group.size)), (value,))
         key = (t.src, t.purpose)
         if key not in self.shared:
             if t.purpose in (Purpose.F, Purpose.SEQ_GRAD):
                 mod = self._module("f" if t.purpose is Purpose.F else "seq_grad",
-                                   CopyToRegion(self.group, self._site(t.src)))
+                                   CopyToRegion(group, self._site(t.src)))
             elif t.purpose is Purpose.SEQ_GATHER:
                 mod = self._module("seq_gather",
-                                   GatherSequence(self.group, t.before.dim, self._site(t.src)))
+                                   GatherSequence(group, t.before.dim, self._site(t.src)))
             elif t.purpose in (Purpose.SEQ_UNSHARD, Purpose.GATHER):
                 mod = self._module(t.purpose.value, GatherShard(
-                    self.group, t.before, t.messages[0][t.before.dim], self._site(t.src)))
+                    group, t.before, t.messages[0][t.before.dim], self._site(t.src)))
             else:  # REPLICA_GRAD
                 mod = self._module("replica_sum", SumOverReplicas(
-                    self.group, t.after, self._site(t.src)))
+                    group, t.after, self._site(t.src)))
             at = self.graph.inserting_before(consumer) if _written_in_place(value) \
                 else self.graph.inserting_after(value)
             with at:
@@ -182,7 +217,8 @@ class _Rewriter:
             for v in values:  # a parameter read first after the consumer: read it before
                 if v.op == "get_attr" and consumer < v:
                     consumer.prepend(v)
-            mod = self._module("seq_grad_bucket", SumGradients(self.group, self._site(t.src)))
+            mod = self._module("seq_grad_bucket",
+                               SumGradients(self._group_of(t), self._site(t.src)))
             with self.graph.inserting_before(consumer):
                 node = self.graph.call_module(mod, tuple(values))
                 outs = [self.graph.call_function(operator.getitem, (node, i))
@@ -197,14 +233,15 @@ class _Rewriter:
         users = list(node.users)
         node, bias = self._strip_bias(orig, node, out)
         bias = self.bias.get(orig, bias)
+        group = self._group_of(t)
         if t.purpose is Purpose.SEQ_SCATTER:
             mod = self._module("seq_scatter",
-                               ScatterToSequence(self.group, t.after.dim, self._site(node)))
+                               ScatterToSequence(group, t.after.dim, self._site(node)))
         elif t.forward is Collective.ALL_REDUCE_MAX:
-            mod = self._module("stat_max", MaxOverRanks(self.group, self._site(node)))
+            mod = self._module("stat_max", MaxOverRanks(group, self._site(node)))
         else:
             mod = self._module("g" if t.purpose is Purpose.G else t.purpose.value,
-                               ReduceFromRegion(self.group, self._site(node)))
+                               ReduceFromRegion(group, self._site(node)))
         with self.graph.inserting_after(node):
             g = self.graph.call_module(mod, (node,))
         last = g
@@ -244,7 +281,7 @@ class _Rewriter:
             if v is not None and v.op == "get_attr" and node < v:
                 node.prepend(v)
         mod = self._module("seq_linear", LinearsOnGatheredSequence(
-            self.group, t.before.dim, self._site(t.src)))
+            self._group_of(t), t.before.dim, self._site(t.src)))
         with self.graph.inserting_before(node):
             fused = self.graph.call_module(mod, (args_of(node)["input"], shard, *weights))
             outs = [self.graph.call_function(operator.getitem, (fused, i))
@@ -269,8 +306,8 @@ class _Rewriter:
             value = self._value(t.src)
             with self.graph.inserting_before(out):
                 gathered = self.graph.call_module(self._module("gather", GatherShard(
-                    self.group, t.before, t.messages[0][t.before.dim], self._site(t.src))),
-                    (value,))
+                    self._group_of(t), t.before, t.messages[0][t.before.dim],
+                    self._site(t.src))), (value,))
             out.replace_input_with(value, gathered)
 
     # ----------------------------------------------------------------- ops replaced by role
@@ -313,7 +350,7 @@ class _Rewriter:
         args = args_of(node)
         arg = lambda i: args[names[i]]  # noqa: E731
         loss = VocabCrossEntropy(
-            self.group, vocab_size=shape(arg(spec.logits))[1], reduction=arg(spec.reduction),
+            self._group_of(self.losses[orig]), vocab_size=shape(arg(spec.logits))[1], reduction=arg(spec.reduction),
             ignore_index=arg(spec.ignore_index), label_smoothing=arg(spec.label_smoothing) or 0.0,
             site=self._site(node))
         with self.graph.inserting_before(node):

@@ -39,7 +39,7 @@ def split_parameter(node: fx.Node, need: Shard, params: dict, ctx: Context) -> d
             or need.padded or need.replicas != 1 or need.blocks:
         return None
     for d in range(len(shape(cur))):
-        if hint(shape(cur)[d]) % ctx.tp:
+        if hint(shape(cur)[d]) % ctx.size:
             continue
         lays = {cur: Shard(d)}
         lay = lays[cur]
@@ -63,5 +63,5 @@ def _through(node: fx.Node, lay: Shard, ctx: Context) -> Shard | None:
     if kind == "expand":
         d = lay.dim + len(dst) - len(src)
         return with_dim(lay, d) if hint(dst[d]) == hint(src[lay.dim]) else None
-    out = map_reshape(lay, list(src), list(dst), ctx.tp)
+    out = map_reshape(lay, list(src), list(dst), ctx.size)
     return out if isinstance(out, Shard) else None

@@ -61,6 +61,7 @@ from enum import StrEnum
 import torch
 import torch.fx as fx
 
+from ..layouts import MeshDim
 from .graph import hint
 
 
@@ -113,6 +114,8 @@ class Transition:
     (path ``None``: every operand of that node that reads ``src``).
     ``messages`` are the shapes (full sizes, example values for symbolic
     dims) of the collectives that realise it, in order; ``dtype`` is theirs.
+    ``before`` and ``after`` are placements along ``mesh_dim``, the mesh dimension
+    whose ranks its collectives run over.
     """
 
     purpose: Purpose
@@ -125,6 +128,7 @@ class Transition:
     messages: tuple[tuple[int, ...], ...] = ()
     dtype: torch.dtype = torch.float32
     sources: tuple[fx.Node, ...] = ()  # SEQ_GRAD_BUCKET: every tensor it sums (src first)
+    mesh_dim: MeshDim = MeshDim.TP
 
     @property
     def direction(self) -> str | None:

@@ -3,13 +3,18 @@
 ``compare_plans(a, b)`` gives a ``PlanDiff`` (data); ``diff_plans(a, b)`` its text.
 Compared:
 
-- parameters: layout and rank-local shape per name (added / removed / changed);
+- the mesh: the size of each dimension;
+- parameters: layout (per mesh dim) and rank-local shape per name (added / removed /
+  changed);
   blocks of a list whose parameters changed the same way are listed once
   (``layers.*.attention.wq.weight  [0-79, 80 blocks]``);
 - decisions: the roles each module got (column / row / vocab_embedding / ...);
 - collectives: counts and bytes per (purpose, kind, direction);
 - memory per rank and unsharded;
 - warnings added and removed.
+
+A plan read from JSON of an earlier schema (one with ``tp`` and no mesh dims) compares
+as a plan of tp alone (``plan.Plan``).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
+from ..layouts import MeshDim, MeshLayout, MeshSizes
 from ..planner import blocks
 from .text import human
 
@@ -80,8 +86,12 @@ class PlanDiff:
     memory_b: tuple[int, int] = (0, 0)
     warnings_added: list[str] = field(default_factory=list)
     warnings_removed: list[str] = field(default_factory=list)
-    tp: tuple[int, int] = (1, 1)
+    dims: tuple[MeshSizes, MeshSizes] = (MeshSizes.of(tp=1), MeshSizes.of(tp=1))
     tokens: tuple[int, int] = (0, 0)
+
+    @property
+    def tp(self) -> tuple[int, int]:
+        return self.dims[0].tp, self.dims[1].tp
 
     @property
     def empty(self) -> bool:
@@ -101,21 +111,22 @@ class PlanDiff:
 
 
 def _header(p) -> str:
-    return f"{p.model} at tp={p.tp} (rules: {p.rules}, {p.tokens} tokens)"
+    return f"{p.model} at {p.dims} (rules: {p.rules}, {p.tokens} tokens)"
 
 
 def compare_plans(a, b) -> PlanDiff:
     """The structured difference between two ``Plan`` objects."""
-    d = PlanDiff(header_a=_header(a), header_b=_header(b), tp=(a.tp, b.tp), tokens=(a.tokens, b.tokens))
+    d = PlanDiff(header_a=_header(a), header_b=_header(b), dims=(a.dims, b.dims),
+                 tokens=(a.tokens, b.tokens))
     pa = {p.name: p for p in a.params}
     pb = {p.name: p for p in b.params}
     for name in list(pa) + [n for n in pb if n not in pa]:
         x, y = pa.get(name), pb.get(name)
-        if x and y and x.layout == y.layout and x.local_shape == y.local_shape \
+        if x and y and _layout(x) == _layout(y) and x.local_shape == y.local_shape \
                 and x.global_shape == y.global_shape:
             continue
         d.params.append(ParamChange(
-            name, x.layout if x else None, y.layout if y else None,
+            name, _layout(x) if x else None, _layout(y) if y else None,
             tuple(x.local_shape) if x else None, tuple(y.local_shape) if y else None,
             tuple(x.global_shape) if x else None, tuple(y.global_shape) if y else None))
     ra, rb = _roles(a), _roles(b)
@@ -138,6 +149,13 @@ def compare_plans(a, b) -> PlanDiff:
 def diff_plans(a, b) -> str:
     """The difference between two plans as text (``compare_plans(a, b).render()``)."""
     return compare_plans(a, b).render()
+
+
+def _layout(p) -> str:
+    """A parameter's placement as compared and shown: its tp placement (``S(0)``) where
+    the plan decides tp alone, else its mesh layout (``dp_shard=S(0),tp=S(0)``)."""
+    only_tp = MeshLayout.parse(p.mesh_layout).names == (MeshDim.TP.value,)
+    return p.layout if only_tp else p.mesh_layout
 
 
 def _roles(p) -> dict[str, tuple[str, ...]]:
@@ -188,8 +206,10 @@ def _render(d: PlanDiff) -> str:
         lines += [f"  + {w}" for w in d.warnings_added]
         lines += [f"  - {w}" for w in d.warnings_removed]
     (ra, ua), (rb, ub) = d.memory_a, d.memory_b
-    if d.tp[0] != d.tp[1]:
-        lines.append(f"\ntp: {d.tp[0]} -> {d.tp[1]}")
+    a, b = d.dims
+    resized = [f"{m}: {a.get(m, 1)} -> {b.get(m, 1)}" for m in MeshDim if a.get(m, 1) != b.get(m, 1)]
+    if resized:
+        lines.append("\n" + "\n".join(resized))
     lines.append("\nparameters per rank: "
                  f"{human(ra)} -> {human(rb)} ({_signed(rb - ra)}"
                  + (f", {rb / ra - 1:+.1%}" if ra else "") + ")")

@@ -407,9 +407,10 @@ class ModelCode:
                 self._whole, self._truncate = planned[3], bool(planned[3].truncated)
             else:
                 self._whole = capture(model, self._args, self._kwargs, truncate=True)
-        key = (plan.tp, plan.rules)
+        key = (plan.dims, plan.rules)
         if key not in self._annotations:
-            self._annotations[key] = annotate(self._whole.gm, plan.tp, load_rules(plan.rules), distribute=False)
+            self._annotations[key] = annotate(self._whole.gm, plan.dims, load_rules(plan.rules),
+                                              distribute=False)
         return self._whole, self._annotations[key]
 
     def cut(self, shapes: dict):

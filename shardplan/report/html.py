@@ -586,9 +586,9 @@ class _Page:
                            "model": plan.model, "tp": plan.tp}, separators=(",", ":"))
         data = data.replace("</", "<\\/").replace("<!--", "<\\!--")
         return _TEMPLATE.format(
-            title=_e(f"shardplan: {plan.model} at tp={plan.tp}"),
+            title=_e(f"shardplan: {plan.model} at {plan.dims}"),
             css=_static("html.css"), js=_static("html.js"), data=data,
-            model=_e(plan.model), tp=plan.tp, rules=_e(plan.rules), tokens=plan.tokens,
+            model=_e(plan.model), mesh=_e(str(plan.dims)), rules=_e(plan.rules), tokens=plan.tokens,
             nparams=len(plan.params), ncoll=len(plan.collectives), ndec=len(plan.decisions),
             schema=plan.schema_version, repeated=repeated,
             warnings=self.warnings(), memory=self.memory(), communication=self.communication(),
@@ -627,7 +627,7 @@ window.onerror = function (msg, src, line, col) {{
 <body>
 <header class="top">
   <div class="brand">shardplan</div>
-  <h1>{model} <span class="at">at tp={tp}</span></h1>
+  <h1>{model} <span class="at">at {mesh}</span></h1>
   <div class="meta">rules <b>{rules}</b> · {tokens} tokens in the example · {nparams} parameters ·
   {ndec} decisions · {ncoll} collectives · schema v{schema} {repeated}</div>
 </header>

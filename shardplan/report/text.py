@@ -18,7 +18,7 @@ def human(n: float) -> str:
 
 
 def render_text(plan, width: int = 100) -> str:
-    lines = [f"shardplan plan: {plan.model} at tp={plan.tp} (rules: {plan.rules}, "
+    lines = [f"shardplan plan: {plan.model} at {plan.dims} (rules: {plan.rules}, "
              f"{plan.tokens} tokens in the example)"]
     if plan.warnings:
         lines.append(f"\nWARNINGS ({len(plan.warnings)})")

@@ -20,7 +20,7 @@ from typing import Callable, ClassVar
 import torch
 import torch.fx as fx
 
-from ...layouts import Partial, Replicate, Shard
+from ...layouts import MeshDim, MeshSizes, Partial, Replicate, Shard
 from ..graph import op_name
 
 R = Replicate()
@@ -67,14 +67,22 @@ class Outcome:
 
 @dataclass(frozen=True)
 class Context:
-    """What a rule may know beyond its node: tp, the rule set, the reductions the
-    planner chose to keep whole (their regions replicated) rather than distribute, and
-    which operands need a gradient."""
+    """What a rule may know beyond its node: the mesh's sizes and the one dimension
+    ``dim`` the rule is applied to (a rule is written for one mesh dim, as DTensor's
+    single-dim strategies are), the rule set, the reductions the planner chose to keep
+    whole (their regions replicated) rather than distribute, and which operands need a
+    gradient."""
 
-    tp: int
+    dims: MeshSizes
     rules: object  # RuleSet
     whole: frozenset = frozenset()  # names of reductions not to run in distributed form
     needs_grad: dict = field(default_factory=dict)  # node -> does its value need a gradient
+    dim: MeshDim = MeshDim.TP
+
+    @property
+    def size(self) -> int:
+        """The ranks along ``dim``: the parts a shard splits into."""
+        return self.dims[self.dim]
 
     def kind_of(self, node: fx.Node) -> str | None:
         return self.rules.kind(op_name(node))
@@ -100,11 +108,12 @@ class Kind:
         """Offsets along ``dim`` of its input where ``node`` cuts it into pieces."""
         return set()
 
-    def local_args(self, node: fx.Node, src: Shard, out, tp: int, divide: Divide) -> dict:
-        """Argument name -> this rank's value, for an input sharded as ``src``."""
+    def local_args(self, node: fx.Node, src: Shard, out, size: int, divide: Divide) -> dict:
+        """Argument name -> this rank's value, for an input sharded as ``src`` over
+        ``size`` ranks."""
         return {}
 
-    def local_form(self, node: fx.Node, src: Shard, out, tp: int, graph: fx.Graph) -> fx.Node:
+    def local_form(self, node: fx.Node, src: Shard, out, size: int, graph: fx.Graph) -> fx.Node:
         """The node computing this rank's ``out`` from ``node`` (run on an input sharded
         as ``src``); ops that mean the same on a part return ``node`` itself."""
         return node

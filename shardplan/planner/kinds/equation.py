@@ -26,7 +26,7 @@ class EquationKind(Kind):
         lab = _labels(node, eq)
         if lab is None:
             return conflict(node, f"einsum '{eq}': implicit output or operands not matching")
-        out = factor_rule(node, lays, lab, ctx.tp, partial_ok=True, shardable=None,
+        out = factor_rule(node, lays, lab, ctx.size, partial_ok=True, shardable=None,
                           rule=f"einsum {eq}")
         return replace(out, bias=None)  # no operand is added: none moves after g
 

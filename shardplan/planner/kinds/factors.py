@@ -26,7 +26,7 @@ class EinsumKind(Kind):
         lab = labels(node, es)
         if lab is None:
             return conflict(node, f"{op_name(node)}: operands do not match '{es.sig}'")
-        return factor_rule(node, lays, lab, ctx.tp, partial_ok=es.partial,
+        return factor_rule(node, lays, lab, ctx.size, partial_ok=es.partial,
                            shardable=es.shardable, rule=f"einsum {es.sig}")
 
 
@@ -43,7 +43,7 @@ class ElementwiseKind(Kind):
         lab = {p: [f"d{out_rank - len(shape(a)) + i}" for i in range(len(shape(a)))]
                for p, a in operands(node) if shape(a) is not None}
         lab["out"] = [f"d{i}" for i in range(out_rank)]
-        return factor_rule(node, lays, lab, ctx.tp, partial_ok=False, shardable=None,
+        return factor_rule(node, lays, lab, ctx.size, partial_ok=False, shardable=None,
                            rule="elementwise")
 
 

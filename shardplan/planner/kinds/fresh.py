@@ -27,9 +27,9 @@ class FreshKind(Kind):
             return Outcome(lay, rule="new tensor shaped like its input: this rank's part")
         return Outcome(R, rule="new tensor of another shape: whole")
 
-    def local_args(self, node, src, out, tp, divide) -> dict:
+    def local_args(self, node, src, out, size, divide) -> dict:
         if not isinstance(out, Shard):
             return {}
         sizes = list(args_of(node)["size"])
-        sizes[out.dim] = local_size(sizes[out.dim], out, tp, divide)
+        sizes[out.dim] = local_size(sizes[out.dim], out, size, divide)
         return {"size": sizes}

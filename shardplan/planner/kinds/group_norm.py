@@ -29,12 +29,12 @@ class GroupNormKind(Kind):
             return Outcome(lay, rule="group_norm, batch split")
         groups = args_of(node)["num_groups"]
         if lay.dim == 1 and not (lay.blocks or lay.padded or lay.period) and lay.replicas == 1 \
-                and groups % ctx.tp == 0:
+                and groups % ctx.size == 0:
             return Outcome(lay, {p: Shard(0) for p in params},
-                           rule=f"group_norm over whole groups: {groups // ctx.tp} per rank")
+                           rule=f"group_norm over whole groups: {groups // ctx.size} per rank")
         return conflict(node, "group_norm over groups cut by the split")
 
-    def local_args(self, node, src, out, tp, divide) -> dict:
+    def local_args(self, node, src, out, size, divide) -> dict:
         if src.dim != 1:
             return {}
-        return {"num_groups": args_of(node)["num_groups"] // tp}
+        return {"num_groups": args_of(node)["num_groups"] // size}

@@ -39,7 +39,7 @@ class IndexKind(Kind):
         hit = [i for i, x in enumerate(indices) if x is not None]
         if lay.dim in hit:
             whole = _whole_blocks(lay, indices[lay.dim], hint(shape(node.args[0])[lay.dim]),
-                                  ctx.tp) if hit == [lay.dim] else None
+                                  ctx.size) if hit == [lay.dim] else None
             if whole is None:
                 return conflict(node, "index along the sharded dim")
             return Outcome(whole, {p: R for p in lays if p != (0,)},

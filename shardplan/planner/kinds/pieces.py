@@ -39,7 +39,7 @@ class SplitKind(Kind):
             return conflict(node, f"split {sizes} across the sharded dim does not follow its "
                                   f"blocks {lay.blocks}")
         if op_name(node) == "aten.split.Tensor" and \
-                len({o.local_size(n, ctx.tp) for o, n in zip(out, sizes[:-1])}) > 1:
+                len({o.local_size(n, ctx.size) for o, n in zip(out, sizes[:-1])}) > 1:
             return conflict(node, "equal pieces of blocks held by different rank counts")
         return Outcome(out, rule="split (sharded dim, by blocks)")
 
@@ -48,15 +48,15 @@ class SplitKind(Kind):
             return set()
         return set(cumsum(hint(v.shape[dim]) for v in node.meta["val"]))
 
-    def local_args(self, node, src, out, tp, divide) -> dict:
+    def local_args(self, node, src, out, size, divide) -> dict:
         arg = _SPLITS[op_name(node)]
         args = args_of(node)
         if arg is None or args["dim"] % len(shape(node.args[0])) != src.dim:
             return {}
         sizes = args[arg]
         if isinstance(sizes, (list, tuple)):
-            return {arg: [o.local_size(n, tp) for o, n in zip(out, sizes)]}
-        return {arg: out[0].local_size(sizes, tp)}
+            return {arg: [o.local_size(n, size) for o, n in zip(out, sizes)]}
+        return {arg: out[0].local_size(sizes, size)}
 
 
 @register
@@ -76,7 +76,7 @@ class SliceKind(Kind):
         start, stop = _range(node, full)
         if start is None:
             return conflict(node, "strided slice of a dim merging batch and heads") \
-                if lay.period else _strided(node, lay, full, ctx.tp)
+                if lay.period else _strided(node, lay, full, ctx.size)
         if lay.period:  # batch rows and heads in one dim: only the whole of it
             return Outcome(lay, rule="slice (all of it)") if (start, stop) == (0, full) else \
                 conflict(node, f"slice [{start}:{stop}] of a dim merging batch and heads")
@@ -92,7 +92,7 @@ class SliceKind(Kind):
         start, stop = _range(node, hint(shape(node.args[0])[dim]))
         return set() if start is None else {start, stop}
 
-    def local_args(self, node, src, out, tp, divide) -> dict:
+    def local_args(self, node, src, out, size, divide) -> dict:
         args = args_of(node)
         if op_name(node) in _DROPS_DIM or args["dim"] % len(shape(node.args[0])) != src.dim \
                 or src.period:  # the whole dim: nothing to change
@@ -102,7 +102,7 @@ class SliceKind(Kind):
         if start is None:  # every step-th of the whole dim: the same start, the end clamps
             return {}
         bounds = [0, *cumsum(src.blocks or [full])]
-        local = [0, *cumsum(src.local_blocks(tp) if src.blocks else [src.local_size(full, tp)])]
+        local = [0, *cumsum(src.local_blocks(size) if src.blocks else [src.local_size(full, size)])]
         start, stop = local[bounds.index(start)], local[bounds.index(stop)]
         if "length" in args:
             return {"start": start, "length": stop - start}

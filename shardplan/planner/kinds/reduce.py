@@ -60,13 +60,13 @@ class ReduceKind(Kind):
         return Outcome(out if len(outs) == 1 else tuple(out for _ in outs),
                        {p: R for p in lays if p != (0,)}, rule=f"reduce over {sorted(dims)}")
 
-    def local_form(self, node: fx.Node, src: Shard, out, tp: int, graph: fx.Graph) -> fx.Node:
-        """This rank's summand of a mean over a split dim is its mean / tp (the part is
-        1/tp of the elements, or tp/r parts each held by r ranks: r/tp of them, summed r
-        times); of a sum, its sum / r."""
+    def local_form(self, node: fx.Node, src: Shard, out, size: int, graph: fx.Graph) -> fx.Node:
+        """This rank's summand of a mean over a dim split over ``size`` ranks is its
+        mean / size (the part is 1/size of the elements, or size/r parts each held by r
+        ranks: r/size of them, summed r times); of a sum, its sum / r."""
         if not isinstance(out, Partial):
             return node
-        by = {"aten.mean.dim": tp, "aten.sum.dim_IntList": src.replicas}.get(op_name(node), 1)
+        by = {"aten.mean.dim": size, "aten.sum.dim_IntList": src.replicas}.get(op_name(node), 1)
         if by == 1:
             return node
         users = list(node.users)

@@ -45,7 +45,7 @@ class ReshapeKind(Kind):
             d = lay.dim  # the copies of each part are split between the ranks holding it
             src[d:d + 2] = [hint(src[d]) * hint(src[d + 1])]  # [B, KV, n, T, D] -> [B, KV*n, T, D]
             lay = Shard(d)
-        res = map_reshape(lay, src, dst, ctx.tp)
+        res = map_reshape(lay, src, dst, ctx.size)
         if isinstance(res, Shard) and _repeats_heads_outer(node, res, ctx):
             return Outcome(None, conflict=Conflict(
                 node, "K/V heads repeated outside them (query head h reads K/V head "
@@ -54,7 +54,7 @@ class ReshapeKind(Kind):
                 _one_head_split(node, lay, res, ctx) or _inside_one_head(node, lay, ctx)):
             return Outcome(None, conflict=Conflict(  # hold the one head on every rank
                 node, "one head (a size-1 dim) broadcast against more heads later",
-                divisibility=True, replicas=ctx.tp))
+                divisibility=True, replicas=ctx.size))
         if isinstance(res, tuple):
             reason, extra = res
             return Outcome(None, conflict=Conflict(node, reason, **extra))
@@ -71,7 +71,7 @@ class ReshapeKind(Kind):
                 return {k * piece for k in _cut_points(node, c) if 0 < k < dst[c]}
         return set()
 
-    def local_args(self, node, src, out, tp, divide) -> dict:
+    def local_args(self, node, src, out, size, divide) -> dict:
         arg = _SIZES[op_name(node)]
         sizes = args_of(node).get(arg) if arg else None
         if not isinstance(out, Shard) or not isinstance(sizes, (list, tuple)):
@@ -80,7 +80,7 @@ class ReshapeKind(Kind):
         j = out.dim - (len(shape(node)) - len(sizes))  # unflatten's sizes cover some dims
         if not 0 <= j < len(sizes):
             return {}
-        sizes[j] = local_size(sizes[j], out, tp, divide)
+        sizes[j] = local_size(sizes[j], out, size, divide)
         return {arg: sizes}
 
 
@@ -92,7 +92,7 @@ class ExpandKind(Kind):
     def rule(self, node, lays, ctx: Context) -> Outcome:
         lay = lays[(0,)]
         src, dst = shape(node.args[0]), shape(node)
-        if lay.replicas == ctx.tp and not lay.blocks:
+        if lay.replicas == ctx.size and not lay.blocks:
             lay = _onto_repeated_head(lay, [hint(x) for x in src], [hint(x) for x in dst])
         d = lay.dim + len(dst) - len(src)
         if hint(dst[d]) != hint(src[lay.dim]):
@@ -102,18 +102,18 @@ class ExpandKind(Kind):
         if lay.replicas > 1:  # broadcast copies of a part held by several ranks: split them
             e = lay.dim + 1  # [B, KV, 1, T, D] -> [B, KV, n, T, D]
             copies = hint(dst[d + 1]) if e < len(src) and hint(src[e]) == 1 else 0
-            one_each = lay.local_size(hint(src[lay.dim]), ctx.tp) == 1  # one K/V head per rank
+            one_each = lay.local_size(hint(src[lay.dim]), ctx.size) == 1  # one K/V head per rank
             if not one_each or copies % lay.replicas or not all(
                     ctx.kind_of(u) == "reshape" for u in node.users):
                 return conflict(node, "expand of a dim held by groups of ranks")
         return Outcome(with_dim(lay, d), rule="expand")
 
-    def local_args(self, node, src, out, tp, divide) -> dict:
+    def local_args(self, node, src, out, size, divide) -> dict:
         sizes = list(args_of(node)["size"])
         if not isinstance(out, Shard):
             return {}
         j = out.dim
-        sizes[j] = local_size(sizes[j], out, tp, divide)
+        sizes[j] = local_size(sizes[j], out, size, divide)
         if out.replicas > 1:  # the copies split between the replicas
             s = sizes[j + 1]
             sizes[j + 1] = (s if s == -1 else s // out.replicas) if isinstance(s, int) \
