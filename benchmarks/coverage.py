@@ -4,6 +4,7 @@
     python -m benchmarks.coverage --all       # every causal-LM, masked-LM and seq2seq family
     python -m benchmarks.coverage --quick     # a handful of families; prints only
     python -m benchmarks.coverage --families gpt2,t5 --no-write
+    python -m benchmarks.coverage --libraries  # only the other libraries' models (their section)
 
 Each family is built from its own default config shrunk to a tiny size (hidden
 64, 2 layers, 4 heads, 2 KV heads or 1 where the family is multi-query, vocab
@@ -13,6 +14,11 @@ The child times ``shardplan.plan`` and runs ``shardplan.verify`` at tp 2 and 4
 on simulated ranks, and exports the tp 2 plan as an HF ``tp_plan`` and as DTensor
 styles (``benchmarks.export_check``); the parent runs every export in its runtime
 on one pool of 2 real gloo ranks, classifies each run and writes the table.
+
+Models of other pip-installable libraries (``benchmarks.library_models``: the
+``[libs]`` extra) are surveyed the same way, without the export (it is HF's), as
+rows of their own in a section of their own: the default run writes both sections,
+``--libraries`` rewrites that section alone.
 """
 
 from __future__ import annotations
@@ -28,9 +34,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from . import library_models
 from ._common import ROOT, machine, parser
 
 DOC = ROOT / "docs" / "coverage.md"
+LIBRARY_HEADING = "## Other libraries"
 COMMAND = "python -m benchmarks.coverage"
 TPS = (2, 4)
 VOCAB = 256
@@ -193,7 +201,27 @@ def run_family(model_type: str, task: str, class_name: str, export_dir: str | No
             "layers": _layer_counts(model), "runs": runs}
 
 
-def run_tp(model, tp: int, inputs: dict, export=None) -> dict:
+def run_library(name: str) -> dict:
+    """``run_family`` for a model of another library (``library_models.MODELS[name]``)."""
+    import importlib
+    case = library_models.MODELS[name]
+    base = {"family": name, "layers": {"layers": library_models.LAYERS, "cross": 0},
+            "megatron": case.megatron_collectives()}
+    try:
+        importlib.import_module(case.package)
+    except ImportError as e:
+        return {**base, "not_built": f"{case.package} is not installed (the [libs] extra): {_head(e)}"}
+    t0 = time.perf_counter()
+    try:
+        model = case.build()
+        model(*case.inputs())  # eager forward: a model that cannot run is not built
+    except Exception as e:  # noqa: BLE001 - any failure to build tiny is recorded with its reason
+        return {**base, "not_built": f"{type(e).__name__}: {_head(e)}"}
+    build_s = time.perf_counter() - t0
+    return {**base, "build_s": build_s, "runs": {tp: run_tp(model, tp, case.inputs()) for tp in TPS}}
+
+
+def run_tp(model, tp: int, inputs, export=None) -> dict:
     """Plan and verify at ``tp``; ``export(plan)`` adds the export outcomes."""
     import shardplan
     t0 = time.perf_counter()
@@ -252,10 +280,7 @@ def replicated_gemms(model, plan) -> list[str]:
     """Weights of layer GEMMs (attention, MLP, experts; not norms, embeddings, routers: 2-D
     with a dim of the expert count; not a GEMM narrower than tp) left whole on every rank."""
     import torch.nn as nn
-    from transformers import PretrainedConfig
-    configs = [model.config, *(v for v in vars(model.config).values()  # DBRX's ffn_config
-                               if isinstance(v, PretrainedConfig))]
-    n_experts = next((getattr(c, k) for c in configs for k in (
+    n_experts = next((getattr(c, k) for c in _hf_configs(model) for k in (
         "num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
         if isinstance(getattr(c, k, None), int)), None)
     owners = {f"{m}.{p}" if m else p: mod for m, mod in model.named_modules()
@@ -271,6 +296,18 @@ def replicated_gemms(model, plan) -> list[str]:
             continue
         out.append(entry.name)
     return out
+
+
+def _hf_configs(model) -> list:
+    """An HF model's config and its own sub-configs (DBRX's ffn_config); none for a model
+    of another library."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return []
+    from transformers import PretrainedConfig
+    if not isinstance(config, PretrainedConfig):
+        return []
+    return [config, *(v for v in vars(config).values() if isinstance(v, PretrainedConfig))]
 
 
 #: the plan's reason for a GEMM whose output does not split into tp parts
@@ -365,7 +402,7 @@ def row(family: str, task: str, result: dict) -> list[str]:
         if d:
             details[d].append(f"tp{tp}")
     details = " ".join(f"{' and '.join(tps)}: {d}" for d, tps in details.items())
-    want = megatron_collectives(result["layers"], task)
+    want = result["megatron"] if "megatron" in result else megatron_collectives(result["layers"], task)
     share, comm, times = [], [], []
     for tp, run in result["runs"].items():
         if "plan_s" not in run:
@@ -422,9 +459,24 @@ def run_exports(results, tmp: str) -> None:
           flush=True)
 
 
-def run_child(family: str, task: str, class_name: str, export_dir: str | None = None) -> dict:
-    cmd = [sys.executable, "-m", "benchmarks.coverage", "--child",
-           json.dumps([family, task, class_name, export_dir])]
+def survey_libraries(selected: list[str]):
+    """``survey`` for the other libraries' models (no export); yields the results so far."""
+    out = []
+    for name in selected:
+        t0 = time.perf_counter()
+        result = run_child(name, "library", "", flag="--library-child")
+        result["wall_s"] = time.perf_counter() - t0
+        out.append((name, "library", result))
+        print(f"{name:36} {outcome_of(result):18} {result['wall_s']:5.0f} s", file=sys.stderr,
+              flush=True)
+        yield out
+
+
+def run_child(family: str, task: str, class_name: str, export_dir: str | None = None, *,
+              flag: str = "--child") -> dict:
+    """One family (``--child``) or library model (``--library-child``) in a child process."""
+    payload = [family, task, class_name, export_dir] if flag == "--child" else family
+    cmd = [sys.executable, "-m", "benchmarks.coverage", flag, json.dumps(payload)]
     try:
         r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -512,15 +564,98 @@ def document(results, selection: str, load: tuple, wall_s: float) -> str:
         table(results), ""])
 
 
+def library_table(results) -> str:
+    """``table`` for the other libraries' models: no export column (the export check is HF's)."""
+    lines = ["| model | outcome tp2 / tp4 | detail | params per rank / unsharded, tp2 / tp4 "
+             "| collectives / Megatron, tp2 / tp4 | plan s, tp2 / tp4 |",
+             "|---|---|---|---:|---|---:|"]
+    for name, task, result in results:
+        cells = row(name, task, result)
+        del cells[3]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def library_versions() -> str:
+    from importlib import metadata
+    out = []
+    for dist in sorted({m.package.replace("_", "-") for m in library_models.MODELS.values()}):
+        try:
+            out.append(f"{dist} {metadata.version(dist)}")
+        except metadata.PackageNotFoundError:
+            out.append(f"{dist} not installed")
+    return ", ".join(out)
+
+
+def library_section(results, selection: str, load: tuple, wall_s: float) -> str:
+    lm = library_models
+    return "\n".join([
+        LIBRARY_HEADING, "",
+        "Models of pip-installable libraries other than transformers (the `[libs]` extra), built "
+        "tiny with random weights by `benchmarks/library_models.py`, planned and verified as "
+        "above, each in a child process. Regenerate this section alone (the rest of the file is "
+        "kept):", "",
+        "```sh", COMMAND + " --libraries", "```", "",
+        f"Machine: {machine()}; {library_versions()}. Measured "
+        f"{datetime.date.today().isoformat()}, 1-minute load {load[0]:.2f} before, "
+        f"{load[1]:.2f} after; the section took {wall_s / 60:.0f} min.", "",
+        f"Models: {selection}.", "",
+        f"**Summary ({len(results)} models, worst outcome over tp 2 and 4): "
+        f"{summary(results)}.**", "",
+        "How to read it:", "",
+        f"- hidden {lm.HIDDEN}, {lm.LAYERS} layers, {lm.HEADS} heads (x-transformers' "
+        "`decoder-gqa` and curated-transformers' Llama 2 KV heads, its Falcon 1), vocab "
+        f"{lm.VOCAB}; inputs {lm.BATCH}x{lm.SEQ} token ids (curated-transformers: and a boolean "
+        "attention mask, the last sequence padded by 2, passed through `MaskedCall`: the "
+        f"library's `AttentionMask` is no tensor) or {lm.BATCH} images 3x{lm.IMAGE}x{lm.IMAGE} "
+        f"in {lm.PATCH}x{lm.PATCH} patches ({lm.CLASSES} classes). These models compute no loss: "
+        "`verify`'s loss is the mean square of the output.",
+        "- outcomes, params per rank and plan s as above; no export column (the export check "
+        "loads through transformers' `from_pretrained`).",
+        "- collectives / Megatron: 4 all-reduces per layer (x-transformers lists attention and "
+        "feed-forward as separate entries of `attn_layers.layers`: one layer is a pair), a g "
+        "per vocab-parallel embedding lookup, an f before a column-parallel output head (a "
+        "language model's logits, the ViT's classifier); no loss collectives.", "",
+        library_table(results), ""])
+
+
+def write_sections(hf: str | None = None, libraries: str | None = None) -> None:
+    """docs/coverage.md from the HF survey and the other libraries' section; a section not
+    given is kept as the file has it."""
+    old = DOC.read_text() if DOC.exists() else ""
+    old_hf, found, old_libraries = old.partition("\n" + LIBRARY_HEADING)
+    parts = [old_hf if hf is None else hf,
+             (LIBRARY_HEADING + old_libraries if found else "") if libraries is None else libraries]
+    DOC.write_text("\n\n".join(p.strip("\n") for p in parts if p) + "\n")
+
+
 def main(argv=None) -> int:
     ap = parser(__doc__, "a handful of families")
     ap.add_argument("--all", action="store_true", help="every family, not the representative set")
     ap.add_argument("--families", help="comma-separated model types (e.g. gpt2,t5)")
     ap.add_argument("--no-export", action="store_true", help="skip the export column (no gloo ranks)")
+    ap.add_argument("--libraries", nargs="?", const="all",
+                    help="only the other libraries' models (comma-separated names, e.g. "
+                         "x-transformers:vit; all when none given); rewrites their section alone")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--library-child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         print(json.dumps(run_family(*json.loads(args.child))))
+        return 0
+    if args.library_child:
+        print(json.dumps(run_library(json.loads(args.library_child))))
+        return 0
+    write = not (args.quick or args.no_write)
+    if args.libraries:
+        chosen = (list(library_models.MODELS) if args.libraries == "all"
+                  else args.libraries.split(","))
+        unknown = [m for m in chosen if m not in library_models.MODELS]
+        if unknown:
+            ap.error(f"unknown library models: {', '.join(unknown)} "
+                     f"(known: {', '.join(library_models.MODELS)})")
+        survey_library_section(chosen, "all" if args.libraries == "all"
+                               else f"selected ({args.libraries})", write)
         return 0
     known = families()
     if args.families:
@@ -542,10 +677,25 @@ def main(argv=None) -> int:
             f" (in progress: {len(results)} of {len(selected)} done)"
         text = document(results, selection + done, (load_before[0], os.getloadavg()[0]),
                         time.perf_counter() - t0)
-        if not (args.quick or args.no_write):
-            DOC.write_text(text)
+        if write:
+            write_sections(hf=text)
     print(text)
+    if not (args.families or args.quick):  # the default run and --all: the libraries too
+        survey_library_section(list(library_models.MODELS), "all", write)
     return 0
+
+
+def survey_library_section(chosen: list[str], selection: str, write: bool) -> None:
+    """Survey the other libraries' models; their section is rewritten after each one."""
+    load_before, t0 = os.getloadavg(), time.perf_counter()
+    for results in survey_libraries(chosen):
+        done = "" if len(results) == len(chosen) else \
+            f" (in progress: {len(results)} of {len(chosen)} done)"
+        text = library_section(results, selection + done, (load_before[0], os.getloadavg()[0]),
+                               time.perf_counter() - t0)
+        if write:
+            write_sections(libraries=text)
+    print(text)
 
 
 if __name__ == "__main__":

@@ -65,7 +65,7 @@ def shardplan_cmd() -> list[str]:
         return [str(script)]
     if os.environ.get("CI"):
         pytest.fail(f"the shardplan console script is not installed at {script} "
-                    "(CI installs with pip install -e '.[test,hf,demo]')")
+                    "(CI installs with pip install -e '.[test,hf,demo,libs]')")
     print(f"note: no console script at {script}; using {sys.executable} -m shardplan.cli")
     return [sys.executable, "-m", "shardplan.cli"]
 

@@ -104,3 +104,60 @@ def test_export_column_and_summary():
             "extra_kinds": [], "plan_s": 1.0}, 4: _run()}})])
     assert "HF tp_plan export: 1 runs equal, 0 refused, 0 WRONG, 0 crash" in text
     assert "DTensor export: 0 runs equal, 1 refused" in text
+
+
+# --------------------------------------------------------------------------- other libraries
+
+def _libraries():
+    pytest.importorskip("x_transformers", reason="the [libs] extra is not installed")
+    pytest.importorskip("curated_transformers", reason="the [libs] extra is not installed")
+    from benchmarks import library_models
+    return library_models
+
+
+def test_library_rows_are_built_and_run():
+    """Every other library's model builds tiny and runs unsharded (the survey's rows);
+    both libraries are there, under names of their own."""
+    lm = _libraries()
+    assert {n.split(":")[0] for n in lm.MODELS} == {"x-transformers", "curated-transformers"}
+    for name, case in lm.MODELS.items():
+        model = case.build()
+        out = model(*case.inputs())
+        width = lm.CLASSES if name.endswith(":vit") else lm.HIDDEN if name.endswith(":bert") \
+            else lm.VOCAB
+        assert out.shape[-1] == width, name
+        assert case.megatron_collectives() == 4 * lm.LAYERS + case.outside
+
+
+def test_library_row_without_the_library_is_not_built(monkeypatch):
+    lm = _libraries()
+    monkeypatch.setitem(lm.MODELS, "nowhere:lm", lm.LibraryModel(
+        "nowhere:lm", "no_such_library", lambda: None, lambda: (), 2))
+    result = coverage.run_library("nowhere:lm")
+    assert result["not_built"].startswith("no_such_library is not installed (the [libs] extra)")
+    assert coverage.outcome_of(result) == "not built"
+    assert len(coverage.library_table([("nowhere:lm", "library", result)]).splitlines()[2]
+               .split(" | ")) == 6
+
+
+def test_library_row_counts_against_its_own_megatron_count():
+    run = {**_run(), "plan_s": 1.0, "bytes_per_rank": 1, "bytes_unsharded": 2, "collectives": 10,
+           "extra_kinds": []}
+    result = {"runs": {2: run, 4: run}, "layers": {"layers": 2, "cross": 0}, "megatron": 10}
+    cells = coverage.library_table([("x-transformers:decoder", "library", result)]).splitlines()[2]
+    assert cells == ("| x-transformers:decoder | equal+sharded / equal+sharded |  | 0.50 / 0.50 "
+                     "| 10/10 / 10/10 | 1.0 / 1.0 |")
+
+
+def test_library_section_is_written_alone(tmp_path, monkeypatch):
+    """``--libraries`` rewrites its section and keeps the HF survey; the HF survey's
+    rewrite keeps the section."""
+    doc = tmp_path / "coverage.md"
+    monkeypatch.setattr(coverage, "DOC", doc)
+    doc.write_text("# Coverage survey\n\nHF rows\n")
+    coverage.write_sections(libraries=f"{coverage.LIBRARY_HEADING}\n\nfirst\n")
+    coverage.write_sections(libraries=f"{coverage.LIBRARY_HEADING}\n\nsecond\n")
+    assert doc.read_text() == f"# Coverage survey\n\nHF rows\n\n{coverage.LIBRARY_HEADING}\n\nsecond\n"
+    coverage.write_sections(hf="# Coverage survey\n\nnew HF rows\n")
+    assert doc.read_text() == \
+        f"# Coverage survey\n\nnew HF rows\n\n{coverage.LIBRARY_HEADING}\n\nsecond\n"

@@ -3,8 +3,8 @@
 - views whose input is a rank's part are rewritten stride-safe (torchtitan's Llama 3);
 - a GEMM whose output does not split into tp parts stays replicated (Qwen2-MoE's gate);
 - a new way of calling (batch 1, length 1) keeps the first plan's layouts (BLOOM);
-- ``plan()`` stamps only block lists that run one after another, and agrees with
-  ``parallelize``;
+- ``plan()`` stamps only block lists that run one after another (a list of ``None``
+  places is none), and agrees with ``parallelize``;
 - in-place writes into a tensor that a transition reads wait for the writes.
 """
 
@@ -346,6 +346,23 @@ class PerHeadNorms(nn.Module):
         return self.down(torch.cat([n(p) for n, p in zip(self.norms, parts)], dim=-1))
 
 
+class PlaceholderSlots(nn.Module):
+    """Four identical MLP blocks zipped with a list of ``None`` places, as x-transformers
+    keeps its unused per-layer slots: ``plan()`` cuts the blocks and leaves the places."""
+
+    def __init__(self, dim=32, depth=4):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 2 * dim),
+                                                  nn.GELU(), nn.Linear(2 * dim, dim))
+                                    for _ in range(depth))
+        self.skips = nn.ModuleList([None] * depth)
+
+    def forward(self, x):
+        for layer, skip in zip(self.layers, self.skips):
+            x = x + layer(x if skip is None else skip(x))
+        return x
+
+
 def _parallelized_plan(ctx, model, example, captured):
     """``parallelize(model).plan`` on rank 0, from one whole-model capture made for both
     ranks (a ``ShardedModule`` is what ``parallelize`` returns; building it does not
@@ -371,6 +388,7 @@ def _hf(kind):
 
 CASES = {
     "per-head-norms": lambda: (PerHeadNorms(), torch.randn(2, 5, 32)),
+    "placeholder-slots": lambda: (PlaceholderSlots(), torch.randn(2, 5, 32)),
     "gpt": lambda: (build("gpt-tiny", n_layer=4), None),
     "llama": lambda: (build("llama-tiny", n_layers=4), None),
     "hf-gpt2": lambda: _hf("gpt2"),

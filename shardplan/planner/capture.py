@@ -248,7 +248,10 @@ def has_repeated_blocks(model: nn.Module) -> bool:
 
 
 def _cuttable(mod: nn.Module) -> bool:
-    return isinstance(mod, nn.ModuleList) and len(mod) > KEPT and _identical(list(mod))
+    """A list of more than ``KEPT`` identical blocks; a list holding ``None`` places (a
+    library's unused per-layer slots, zipped with the layers) is not one."""
+    blocks = list(mod) if isinstance(mod, nn.ModuleList) else []
+    return len(blocks) > KEPT and None not in blocks and _identical(blocks)
 
 
 def _identical(blocks: list[nn.Module | None]) -> bool:
