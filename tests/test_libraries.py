@@ -24,11 +24,14 @@ from library_cases import assert_sharded, real_step, reference, step  # noqa: E4
 
 pytestmark = pytest.mark.timeout(240)
 
-# model -> tp of the simulated ranks; curated-transformers' Llama at 2: its 2 K/V heads are
-# refused at tp 4 (fewer K/V heads than tp: issue #31, item 3; the survey's row shows it)
+# model -> tp of the simulated ranks; x-transformers' grouped-query decoder repeats its
+# 2 K/V heads outside them (query head i reads K/V head i mod 2): K/V are kept whole or
+# gathered while the rest splits; curated-transformers' Llama holds its 2 K/V heads by
+# pairs of ranks at tp 4
 EQUAL = {"x-transformers:decoder": 4, "x-transformers:decoder-alibi": 4,
          "x-transformers:decoder-rotary": 4, "x-transformers:decoder-glu": 4,
-         "x-transformers:vit": 4, "curated-transformers:llama": 2, "curated-transformers:bert": 4}
+         "x-transformers:decoder-gqa": 4, "x-transformers:vit": 4,
+         "curated-transformers:llama": 4, "curated-transformers:bert": 4}
 
 
 @pytest.mark.parametrize("name", list(EQUAL))
@@ -42,17 +45,6 @@ def test_verify_tp2_and_every_simulated_rank_equal_and_sharded(name):
     results = SimulatedRanks(EQUAL[name]).run(step, model, inputs, capture(model, inputs))
     assert_equivalent(results, reference(model, inputs))
     assert_sharded(model, results)
-
-
-def test_grouped_query_is_refused_until_issue_31_item_3():
-    """x-transformers repeats its 2 K/V heads head-major (``b kvh n d -> b (r kvh) n d``),
-    so query head i reads K/V head i mod 2: not yet planned (issue #31, item 3), refused
-    with a ``DivisibilityError`` naming the repeat, not run wrong."""
-    case = MODELS["x-transformers:decoder-gqa"]
-    with pytest.raises(shardplan.DivisibilityError, match="broadcast against more heads") as e:
-        shardplan.plan(case.build(), 2, example_inputs=case.inputs())
-    assert isinstance(e.value, shardplan.ShardplanError)
-    assert "attend" in str(e.value) and "repeat" in str(e.value)
 
 
 def _buffer_kinds(model) -> dict[str, type]:

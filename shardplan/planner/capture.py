@@ -254,10 +254,8 @@ def _cuttable(mod: nn.Module) -> bool:
     return len(blocks) > KEPT and None not in blocks and _identical(blocks)
 
 
-def _identical(blocks: list[nn.Module | None]) -> bool:
-    def signature(m):  # a list may hold None (x-transformers leaves empty slots so)
-        if m is None:
-            return None
+def _identical(blocks: list[nn.Module]) -> bool:
+    def signature(m):
         return type(m), [(n, tuple(p.shape), p.dtype) for n, p in m.named_parameters()]
     first = signature(blocks[0])
     return all(signature(b) == first for b in blocks[1:])
