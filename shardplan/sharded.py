@@ -18,7 +18,7 @@ from torch.utils import _pytree as pytree
 from .planner.capture import PLANNING_LOCK, Captured, capture
 from .planner.annotate import Annotation, annotate
 from .planner.inputs import check_dtypes
-from .layouts import Replicate, Shard, set_spec, spec_of
+from .layouts import MeshDim, Replicate, Shard, set_spec, spec_of
 from .planner.plan import build_plan
 from .parallel.fsdp import OwnedPiece, adopt_tree, apply_fsdp, install_owners, route_through_owners
 from .planner.recompute import Recomputed, block_names, outline_blocks
@@ -99,7 +99,7 @@ class ShardedModule(nn.Module):
     def layouts(self) -> dict:
         """Every parameter/buffer FQN (each alias of a tied weight) -> its placement over
         the TP group, as its tensor's spec says."""
-        return {fqn: spec_of(t).layout["tp"] for fqn, t in self._tensors.items()}
+        return {fqn: spec_of(t).layout[MeshDim.TP] for fqn, t in self._tensors.items()}
 
     @property
     def rank_tensors(self) -> dict[str, torch.Tensor]:
