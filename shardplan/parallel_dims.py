@@ -130,7 +130,9 @@ class ParallelDims:
         names = tuple(mesh.mesh_dim_names or ())
         dims = [_as_dim(n, fsdp) for n in names]
         order = [ORDER.index(d) for d in dims if d is not None]
-        if MeshDim.TP.value not in names or None in dims or order != sorted(set(order)):
+        mixed = LEGACY_DP in names and any(d.value in names for d in DATA_PARALLEL)
+        if MeshDim.TP.value not in names or None in dims or order != sorted(set(order)) \
+                or mixed:
             raise ConfigurationError(
                 f"the device mesh has dimensions {list(names) or '(unnamed)'}; shardplan needs "
                 f"a 'tp' dimension and knows only {[d.value for d in ORDER]}, in that order "
