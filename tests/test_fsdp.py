@@ -206,6 +206,20 @@ def test_trainer_fsdp_equals_unsharded_and_resumes_exactly(real_ranks, tmp_path)
 
 
 @pytest.mark.real
+@pytest.mark.timeout(180)
+def test_trainer_hsdp_equals_unsharded(real_ranks):
+    """``--dp-replicate 2 --dp-shard 2 --tp 1``: HSDP in the trainer (its replica check
+    compares the shards along dp_replicate every 3 steps), the losses of one process on
+    the global batch of 4 data-parallel ranks."""
+    cfg = dict(train_cases.BASE, steps=4, tp=1, dp=None, dp_replicate=2, dp_shard=2,
+               check_replicas_every=3)
+    runs = real_ranks(4).run(train_cases.train_rank, cfg)
+    want, _ = train_cases.reference_losses(cfg, dp=4)
+    close(runs[0], want, "loss")
+    assert all(r == runs[0] for r in runs)
+
+
+@pytest.mark.real
 @pytest.mark.timeout(600)
 def test_compiled_per_block_equals_eager(real_ranks):
     """``compile=`` with ``fsdp=``: each FSDP2 block's piece of the graph is compiled
