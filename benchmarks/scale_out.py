@@ -7,7 +7,8 @@ TP x FSDP2 against TP x replicated data parallelism at dp 2 x tp 2.
     python -m benchmarks.scale_out --sizes 256 512 1024 --rounds 20
 
 One command starts four gloo worker processes (``shardplan.ranks.RealRanks(4)``,
-one torch thread each); the mesh is ``ParallelDims(tp=, dp=).with_mesh("cpu")``.
+one torch thread each); the mesh is ``ParallelDims(tp=, dp_replicate=)`` or, with
+FSDP2, ``ParallelDims(tp=, dp_shard=)``, ``.with_mesh("cpu")``.
 Every step is the trainer's ``training_step`` (clip 1.0; ``build_optimizer``'s
 AdamW; without FSDP the gradients are averaged over dp, with FSDP2 its
 reduce-scatter does it). Each dp rank trains on its rows of one global batch.
@@ -76,19 +77,21 @@ class _Trainee:
 
     def __init__(self, cfg: dict, dp: int, tp: int, fsdp: bool):
         import shardplan
+        from shardplan.layouts import MeshDim
         from shardplan.parallel_dims import ParallelDims
         from shardplan.train.optim import build_optimizer
         from shardplan.train.trainer import TrainConfig
 
-        dims = ParallelDims(tp=tp, dp=dp).with_mesh("cpu")
+        sizes = ParallelDims.data_parallel(dp=dp, fsdp=fsdp)
+        dims = ParallelDims(tp=tp, **{k: v or 1 for k, v in sizes.items()}).with_mesh("cpu")
         rows = GLOBAL_BATCH // dp
-        mine = slice(dims.dp_group.rank * rows, (dims.dp_group.rank + 1) * rows)
+        mine = slice(dims.dp_rank * rows, (dims.dp_rank + 1) * rows)
         self.batch = tuple(t[mine] for t in _global_batch(cfg))
         self.model = shardplan.parallelize(_model(cfg), mesh=dims.mesh, fsdp=fsdp,
                                            gather_output=False, example_inputs=self.batch)
         self.optimizer = build_optimizer(self.model, LR)
         self.config = TrainConfig(tp=tp, dp=dp, fsdp=fsdp, lr=LR)
-        self.dp_group = dims.dp_group if dp > 1 and not fsdp else None
+        self.dp_group = dims.group(MeshDim.DP_REPLICATE) if dims.dp_replicate > 1 else None
 
     def step(self) -> float:
         from shardplan.train.optim import TPGradScaler
@@ -264,7 +267,8 @@ def section(command: str, loads, sizes, rounds, warmup, memory: str, timing: lis
         *section_head(HEADING, command, *loads),
         f"The bundled GPT, float32, global batch {GLOBAL_BATCH} x {SEQ} tokens ({GLOBAL_BATCH} "
         "// dp rows per dp rank). Four gloo processes (`RealRanks(4)`), one torch thread each, "
-        "mesh `ParallelDims(tp=, dp=).with_mesh(\"cpu\")`; every step is the trainer's "
+        "mesh `ParallelDims(tp=, dp_replicate=)` (with FSDP2 `dp_shard=`)`.with_mesh(\"cpu\")`; "
+        "every step is the trainer's "
         f"`training_step` (clip 1.0, `build_optimizer`'s AdamW, lr {LR}); without FSDP the "
         "gradients are averaged over dp, with FSDP2 its reduce-scatter averages them. The "
         "machine was shared and loaded while this ran (see the load averages): read the times "

@@ -27,7 +27,8 @@ def parallelize(model: nn.Module, tp: int | None = None, *, group=None, mesh=Non
     shards; ``.plan`` says what was decided. ``group`` is a
     ``torch.distributed`` process group (default: the world) or a shardplan
     ``Group``; with ``mesh`` (a ``DeviceMesh`` with a "tp" dimension, e.g.
-    ``ParallelDims(tp=2, dp=2).with_mesh("cpu").mesh``), its "tp" dimension.
+    ``ParallelDims(tp=2, dp_replicate=2).with_mesh("cpu").mesh``; see
+    ``parallel_dims``), its "tp" dimension.
     ``check_model`` first compares a checksum of every parameter across the
     ranks (one small broadcast and all-reduce): shards of different models
     would train silently wrong. ``recompute`` recomputes activations in
@@ -44,15 +45,19 @@ def parallelize(model: nn.Module, tp: int | None = None, *, group=None, mesh=Non
     it needs a ``torch.distributed`` process group. The plan is the same either
     way; ``sharded.compiled_units`` lists what was compiled.
 
-    ``fsdp``: also shard over the mesh's "dp" dimension with FSDP2
+    ``fsdp``: also shard over the mesh's "dp_shard" dimension with FSDP2
     (``fully_shard`` per block, every element of every ``nn.ModuleList``, then
     the root): ``True`` or a dict of ``fully_shard`` options (``mp_policy``,
-    ``reshard_after_forward``, ``offload_policy``). The parameters are then
-    FSDP2's ``DTensor`` shards over "dp" of this rank's TP shards; the TP
-    layout stays in each one's ``ParallelSpec`` (``layouts.spec_of``).
+    ``reshard_after_forward``, ``offload_policy``). With a "dp_replicate"
+    dimension too it is FSDP2's hybrid sharding (HSDP): shards over
+    dp_shard, replicas of them along dp_replicate (``ParallelDims.fsdp_mesh``).
+    The parameters are then FSDP2's ``DTensor`` shards of this rank's TP
+    shards; the TP layout stays in each one's ``ParallelSpec``
+    (``layouts.spec_of``). A ``("dp", "tp")`` mesh's "dp" is dp_shard here.
     """
     check_model_arg(model)
-    grp = _group(group, mesh)
+    dims = None if mesh is None else ParallelDims.from_mesh(mesh, fsdp=_fsdp_on(fsdp))
+    grp = _group(group, dims)
     if tp is not None and tp != grp.size:
         raise ConfigurationError(
             f"tp={tp} but the process group has {grp.size} ranks",
@@ -68,36 +73,47 @@ def parallelize(model: nn.Module, tp: int | None = None, *, group=None, mesh=Non
                            what=f"{type(model).__name__} is not the same model on every rank",
                            fix="build the model identically on every rank (same seed or the same "
                                "checkpoint) before parallelize, or pass check_model=False")
-    fsdp_blocks, options = _fsdp_plan(model, fsdp, mesh, recompute)
+    fsdp_blocks, options, fsdp_mesh = _fsdp_plan(model, fsdp, dims, recompute)
     example = example_args(model, example_inputs)
     sharded = ShardedModule(model, grp, load_rules(rules), example=example,
                             gather_output=gather_output, strict=strict, recompute=recompute,
                             sequence_parallel=sequence_parallel, compile=compile,
                             fsdp_blocks=fsdp_blocks)
     if fsdp_blocks:
-        sharded.shard_data_parallel(mesh["dp"], options)
+        sharded.shard_data_parallel(fsdp_mesh, options)
     return sharded
 
 
-def _fsdp_plan(model: nn.Module, fsdp, mesh, recompute) -> tuple[list[str], dict]:
-    """(the blocks FSDP2 shards, its options); nothing for ``fsdp=False``."""
-    if fsdp is False or fsdp is None:
-        return [], {}
+def _fsdp_on(fsdp) -> bool:
+    return fsdp is not False and fsdp is not None
+
+
+def _fsdp_plan(model: nn.Module, fsdp, dims: ParallelDims | None,
+               recompute) -> tuple[list[str], dict, object]:
+    """(the blocks FSDP2 shards, its options, the mesh it shards over); nothing for
+    ``fsdp=False``."""
+    if not _fsdp_on(fsdp):
+        if dims is not None and dims.dp_shard > 1:
+            raise ConfigurationError(
+                f"the device mesh has dp_shard={dims.dp_shard} (FSDP2's shards) but fsdp is "
+                "off", where="parallelize",
+                fix="pass fsdp=True, or build the mesh with dp_replicate for plain data "
+                    "parallelism")
+        return [], {}, None
     options = fsdp_options(fsdp)
-    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-    if mesh is None or "dp" not in names:
+    if dims is None:
         raise ConfigurationError(
-            f"fsdp needs a device mesh with 'dp' and 'tp' dimensions, got "
-            f"{'no mesh' if mesh is None else list(names) or 'an unnamed mesh'}",
+            "fsdp needs a device mesh with 'dp_shard' and 'tp' dimensions, got no mesh",
             where="parallelize",
-            fix="pass mesh=ParallelDims(tp=..., dp=...).with_mesh(device).mesh")
-    ParallelDims.from_mesh(mesh).check_world(dist.get_world_size())
+            fix="pass mesh=ParallelDims(tp=..., dp_shard=...).with_mesh(device).mesh")
+    mesh = dims.fsdp_mesh
+    dims.check_world(dist.get_world_size())
     if recompute not in (False, True):
         raise ConfigurationError(
             f"fsdp with recompute={recompute!r}: FSDP2 shards every block, and recomputation "
             "can only follow the same blocks", where="parallelize",
             fix="pass recompute=True (every block) or False")
-    return block_names(model, True), options
+    return block_names(model, True), options, mesh
 
 
 def _check_devices(model: nn.Module) -> None:
@@ -117,10 +133,10 @@ def _check_devices(model: nn.Module) -> None:
             fix="move the whole model to one device (model.to(device)) before parallelize")
 
 
-def _group(group, mesh) -> Group:
-    if mesh is not None:
+def _group(group, dims: ParallelDims | None) -> Group:
+    if dims is not None:
         if group is not None:
             raise ConfigurationError("both group and mesh were given",
                                      fix="pass one: the mesh's 'tp' dimension is the group")
-        return ParallelDims.from_mesh(mesh).tp_group
+        return dims.tp_group
     return as_group(group)

@@ -100,7 +100,8 @@ def _cmd_plan(args) -> int:
     dtype = getattr(torch, args.dtype) if args.dtype else None
     p = plan(build_target(args.target, meta=True), args.tp, strict=args.strict,
              sequence_parallel=args.sequence_parallel, batch=args.batch, seq=args.seq,
-             dp=args.dp, fsdp=args.fsdp, recompute=args.recompute, dtype=dtype,
+             dp=args.dp, dp_replicate=args.dp_replicate, dp_shard=args.dp_shard,
+             fsdp=args.fsdp, recompute=args.recompute, dtype=dtype,
              optimizer=None if args.optimizer == "none" else args.optimizer,
              gpu_memory=parse_bytes(args.gpu_memory) if args.gpu_memory else None,
              rules=args.rules)
@@ -170,9 +171,17 @@ def parser() -> argparse.ArgumentParser:
     m = p.add_argument_group("training memory (estimated when --batch and --seq are given)")
     m.add_argument("--batch", type=_positive("batch"), help="sequences per rank per step")
     m.add_argument("--seq", type=_positive("seq"), help="sequence length")
-    m.add_argument("--dp", type=_positive("dp"), default=1, help="data-parallel size (default 1)")
+    m.add_argument("--dp-replicate", type=_positive("dp-replicate"),
+                   help="data-parallel replicas, each holding all of its shards (default 1)")
+    m.add_argument("--dp-shard", type=_positive("dp-shard"),
+                   help="FSDP2 shards per replica: parameters, gradients and optimizer state "
+                        "divided by it (default 1; with --dp-replicate: HSDP)")
+    m.add_argument("--dp", type=_positive("dp"),
+                   help="data-parallel size, an alias: --dp-shard with --fsdp, else "
+                        "--dp-replicate")
     m.add_argument("--fsdp", action="store_true",
-                   help="shard parameters, gradients and optimizer state over dp (FSDP2)")
+                   help="shard parameters, gradients and optimizer state over --dp-shard "
+                        "(or --dp) with FSDP2")
     m.add_argument("--recompute", action="store_true", help="recompute every block in backward")
     m.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                    help="parameter and activation dtype (default: the model's)")

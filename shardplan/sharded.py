@@ -103,7 +103,7 @@ class ShardedModule(nn.Module):
     def layouts(self) -> dict:
         """Every parameter/buffer FQN (each alias of a tied weight) -> its placement over
         the TP group, as its tensor's spec says."""
-        return {fqn: spec_of(t).layout["tp"] for fqn, t in self._tensors.items()}
+        return {fqn: spec_of(t).layout[MeshDim.TP] for fqn, t in self._tensors.items()}
 
     @property
     def rank_tensors(self) -> dict[str, torch.Tensor]:

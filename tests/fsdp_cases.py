@@ -1,7 +1,8 @@
 """Per-rank functions for tests/test_fsdp.py (picklable for RealRanks).
 
-Runs are on 4 gloo processes; the mesh is (dp, tp) with rank = dp_rank * tp + tp_rank.
-Each dp rank trains on its rows of every global batch.
+Runs are on 4 gloo processes; the mesh is ``ParallelDims``' (dp_replicate, dp_shard, tp)
+with rank = dp_rank * tp + tp_rank. Each data-parallel rank trains on its rows of every
+global batch.
 """
 
 from __future__ import annotations
@@ -11,10 +12,13 @@ import copy
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 import shardplan
 from shardplan.checkpoint import load_dcp, save_dcp
+from shardplan.layouts import MeshDim, Shard, spec_of
+from shardplan.parallel_dims import ParallelDims
 from shardplan.train.optim import average_gradients, clip_grad_norm_
 
 STEPS, LR, CLIP = 3, 1e-2, 0.5
@@ -48,73 +52,109 @@ def reference(model, data) -> tuple[list[float], dict]:
     return losses, m.state_dict()
 
 
-def _setup(model, data, dp: int, tp: int, fsdp):
-    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+def _dims(dp: int, tp: int, fsdp) -> ParallelDims:
+    """dp data-parallel ranks (FSDP2's shards with ``fsdp``, else replicas) x tp."""
+    sizes = ParallelDims.data_parallel(dp=dp, fsdp=bool(fsdp))
+    return ParallelDims(tp=tp, **{k: v or 1 for k, v in sizes.items()})
+
+
+def _setup(model, data, dims: ParallelDims, fsdp):
+    dims = dims.with_mesh("cpu")
     x0, y0 = data[0]
-    rows = x0.shape[0] // dp
-    r = mesh.get_local_rank("dp")
+    rows = x0.shape[0] // dims.dp
+    r = dims.dp_rank
     mine = slice(r * rows, (r + 1) * rows)
     hf = type(model).__module__.startswith("transformers")
     example = {"input_ids": x0[mine], "labels": y0[mine]} if hf else (x0[mine], y0[mine])
-    sharded = shardplan.parallelize(copy.deepcopy(model), mesh=mesh, fsdp=fsdp,
+    sharded = shardplan.parallelize(copy.deepcopy(model), mesh=dims.mesh, fsdp=fsdp,
                                     example_inputs=example)
     sharded._hf = hf
-    return sharded, torch.optim.AdamW(sharded.parameters(), lr=LR), mine, mesh
+    return sharded, torch.optim.AdamW(sharded.parameters(), lr=LR), mine, dims
 
 
-def _steps(sharded, opt, data, mine, mesh) -> list[float]:
+def _steps(sharded, opt, data, mine, dims: ParallelDims) -> list[float]:
     """Train on ``data``; the global batch's loss per step (the mean over dp ranks)."""
-    dp = mesh.get_group("dp")
     losses = []
     for x, y in data:
         opt.zero_grad()
         loss = loss_of(sharded, x[mine], y[mine])
         loss.backward()
-        if not sharded.fsdp_blocks:
-            average_gradients(sharded.parameters(), dp)
+        if not sharded.fsdp_blocks and dims.dp_replicate > 1:
+            average_gradients(sharded.parameters(), dims.group(MeshDim.DP_REPLICATE))
         clip_grad_norm_(sharded, CLIP)
         opt.step()
         total = loss.detach().clone()
-        dist.all_reduce(total, group=dp)
-        losses.append(total.item() / mesh.size(0))
+        for group in dims.dp_groups:
+            dist.all_reduce(total, group=group.pg)
+        losses.append(total.item() / dims.dp)
     return losses
+
+
+@torch.no_grad()
+def _full_parameters(sharded) -> dict[str, torch.Tensor]:
+    """Every parameter's full, unpadded tensor, on every rank: FSDP2's shards gathered
+    (``full_tensor``), then the TP shards (each parameter's spec)."""
+    out = {}
+    for name, p in sharded.named_parameters():
+        t = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+        spec = spec_of(p)
+        lay = spec.layout[MeshDim.TP]
+        if isinstance(lay, Shard):
+            parts = sharded.group.all_gather(t.unsqueeze(0), 0).unbind(0)
+            t = lay.unshard(list(parts), spec.shape[lay.dim])
+        out[name] = t.clone()
+    return out
 
 
 def train_rank(ctx, model, data, fsdp=True):
     """TP x FSDP2 at (dp=2, tp=2): (losses, whether every parameter is a DTensor,
     this rank's optimizer state elements)."""
-    sharded, opt, mine, mesh = _setup(model, data, 2, 2, fsdp)
-    losses = _steps(sharded, opt, data, mine, mesh)
+    sharded, opt, mine, dims = _setup(model, data, _dims(2, 2, fsdp), fsdp)
+    losses = _steps(sharded, opt, data, mine, dims)
     dtensors = all(isinstance(p, DTensor) for p in sharded.parameters())
     state = sum(t.to_local().numel() if isinstance(t, DTensor) else t.numel()
                 for s in opt.state.values() for k, t in s.items() if k != "step")
     return losses, dtensors, state
 
 
+def hsdp_rank(ctx, model, data, dp_replicate: int, dp_shard: int, tp: int):
+    """FSDP2 on (dp_replicate x dp_shard) x tp (HSDP when dp_replicate > 1): (losses,
+    every parameter's full tensor after the steps, this rank's local shards, the FQNs of
+    the FSDP2 units, each parameter's (DTensor mesh dims, placements))."""
+    dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp)
+    sharded, opt, mine, dims = _setup(model, data, dims, True)
+    losses = _steps(sharded, opt, data, mine, dims)
+    local = {n: p.to_local().detach().clone() for n, p in sharded.named_parameters()}
+    units = [n for n, m in sharded.named_modules() if isinstance(m, FSDPModule)]
+    placed = {n: (p.device_mesh.mesh_dim_names, tuple(p.placements))
+              for n, p in sharded.named_parameters()}
+    return losses, _full_parameters(sharded), local, units, placed
+
+
 def save_rank(ctx, model, data, path):
     """Train at (dp=2, tp=2) with FSDP2, save with the optimizer, train on ``data`` again:
     the losses of all the steps."""
-    sharded, opt, mine, mesh = _setup(model, data, 2, 2, True)
-    losses = _steps(sharded, opt, data, mine, mesh)
+    sharded, opt, mine, dims = _setup(model, data, _dims(2, 2, True), True)
+    losses = _steps(sharded, opt, data, mine, dims)
     save_dcp(sharded, path, optimizer=opt)
-    return losses + _steps(sharded, opt, data, mine, mesh)
+    return losses + _steps(sharded, opt, data, mine, dims)
 
 
 def reload_rank(ctx, model, data, path, dp, tp, fsdp, again, steps):
     """Load ``path`` at (dp, tp), save it to ``again``, train on ``steps``: the losses."""
-    sharded, opt, mine, mesh = _setup(model, data, dp, tp, fsdp)
+    sharded, opt, mine, dims = _setup(model, data, _dims(dp, tp, fsdp), fsdp)
     load_dcp(sharded, path, optimizer=opt)
     save_dcp(sharded, again, optimizer=opt)
-    return _steps(sharded, opt, steps, mine, mesh)
+    return _steps(sharded, opt, steps, mine, dims)
 
 
 def crashed_save_rank(ctx, model, data, path):
     """Save the fresh model, train a step, save again with rank 1's writes failing:
     (the error, the losses of training after loading what is at ``path`` now)."""
     from torch.distributed.checkpoint import FileSystemWriter
-    sharded, opt, mine, mesh = _setup(model, data, 2, 2, True)
+    sharded, opt, mine, dims = _setup(model, data, _dims(2, 2, True), True)
     save_dcp(sharded, path, optimizer=opt)
-    _steps(sharded, opt, data[:1], mine, mesh)
+    _steps(sharded, opt, data[:1], mine, dims)
     write = FileSystemWriter.write_data
     if ctx.rank == 1:
         def broken(self, plan, planner):
@@ -127,14 +167,15 @@ def crashed_save_rank(ctx, model, data, path):
         error = f"{type(e).__name__}: {e}"
     finally:
         FileSystemWriter.write_data = write
-    fresh, fresh_opt, _, _ = _setup(model, data, 2, 2, True)
+    fresh, fresh_opt, _, _ = _setup(model, data, _dims(2, 2, True), True)
     load_dcp(fresh, path, optimizer=fresh_opt)
-    return error, _steps(fresh, fresh_opt, data, mine, mesh)
+    return error, _steps(fresh, fresh_opt, data, mine, dims)
 
 
 def options_rank(ctx, model, data):
-    """FSDP2 with ``reshard_after_forward=False`` and recomputed blocks: the losses, then
-    the shape of the logits of another call signature (eval, no targets)."""
+    """FSDP2 with ``reshard_after_forward=False`` and recomputed blocks, on a ("dp", "tp")
+    mesh of before HSDP (its "dp" is FSDP2's dp_shard): the losses, then the shape of the
+    logits of another call signature (eval, no targets)."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     r = mesh.get_local_rank("dp")
     mine = slice(2 * r, 2 * r + 2)
@@ -142,7 +183,8 @@ def options_rank(ctx, model, data):
     sharded = shardplan.parallelize(copy.deepcopy(model), mesh=mesh, recompute=True,
                                     fsdp={"reshard_after_forward": False},
                                     example_inputs=(x0[mine], y0[mine]))
-    losses = _steps(sharded, torch.optim.AdamW(sharded.parameters(), lr=LR), data, mine, mesh)
+    losses = _steps(sharded, torch.optim.AdamW(sharded.parameters(), lr=LR), data, mine,
+                    ParallelDims.from_mesh(mesh, fsdp=True))
     sharded.eval()
     with torch.no_grad():
         logits, _ = sharded(x0[mine])
@@ -170,7 +212,7 @@ def compile_rank(ctx, model, data, recompute: bool):
                                         recompute=recompute, compile=compiled,
                                         example_inputs=(x0[mine], y0[mine]))
         losses = _steps(sharded, torch.optim.AdamW(sharded.parameters(), lr=LR), data,
-                        mine, mesh)
+                        mine, ParallelDims.from_mesh(mesh, fsdp=True))
         shards = {n: p.to_local().detach().clone() if isinstance(p, DTensor) else p
                   for n, p in sharded.named_parameters()}
         runs.append((losses, shards))

@@ -1,8 +1,9 @@
 """TP x FSDP2 (``parallelize(mesh=, fsdp=True)``) and torch DCP checkpoints.
 
-Training runs are on 4 gloo processes as a (dp=2, tp=2) mesh and must match one
-process training the unsharded model on the global batch; checkpoints saved there
-load at other layouts (tp=4, tp=1, without FSDP2) and into the plain model.
+Training runs are on 4 gloo processes as a (dp_shard=2, tp=2) mesh, and HSDP as
+(dp_replicate=2, dp_shard=2, tp=1), and must match one process training the
+unsharded model on the global batch; checkpoints saved there load at other
+layouts (tp=4, tp=1, without FSDP2) and into the plain model.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp_cases as cases
@@ -50,6 +52,43 @@ def test_fsdp_trains_like_one_process(real_ranks, name):
         close(losses, expected, f"rank {rank}")
         assert dtensors, f"rank {rank}: not every parameter is a DTensor"
         assert state <= 0.3 * unsharded, f"rank {rank} holds {state} of {unsharded} state"
+
+
+@pytest.mark.real
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("replicate,shard,tp", [(2, 2, 1), (1, 2, 2)],
+                         ids=["replicate2-shard2-tp1", "shard2-tp2"])
+def test_hsdp_trains_like_one_process(real_ranks, replicate, shard, tp):
+    """A few AdamW steps on (dp_replicate x dp_shard) x tp: the losses and every
+    parameter afterwards equal one process's on the global batch, on every rank; and it
+    was sharded: each block an FSDP2 unit, the parameters DTensors over the data-parallel
+    mesh (HSDP: replicated along dp_replicate, sharded along dp_shard), each rank holding
+    about 1/(dp_shard * tp) of the bytes, replicas along dp_replicate the same shards."""
+    torch.manual_seed(0)
+    model = build("gpt-tiny")
+    data = cases.batches(96)
+    expected, state = cases.reference(model, data)
+    runs = real_ranks(4).run(cases.hsdp_rank, model, data, replicate, shard, tp)
+    names = {n for n, _ in model.named_parameters()}
+    mesh = ("dp_replicate", "dp_shard") if replicate > 1 else ("dp_shard",)
+    placements = (Replicate(), Shard(0)) if replicate > 1 else (Shard(0),)
+    ideal = sum(p.numel() * p.element_size() for p in model.parameters()) / (shard * tp)
+    for rank, (losses, params, local, units, placed) in enumerate(runs):
+        close(losses, expected, f"rank {rank}")
+        assert set(params) == names, rank
+        for name, t in params.items():
+            torch.testing.assert_close(t, state[name], rtol=0, atol=1e-4, msg=f"{rank} {name}")
+        assert units == ["", "transformer.h.0", "transformer.h.1"], rank
+        assert set(placed.values()) == {(mesh, placements)}, rank
+        held = sum(t.numel() * t.element_size() for t in local.values())
+        assert abs(held - ideal) <= 0.1 * ideal, (rank, held, ideal)
+    per_replica = 4 // replicate  # ranks of one replica: rank = replica * per_replica + ...
+    for rank in range(per_replica, 4):
+        twin = runs[rank - per_replica][2]
+        for name, t in runs[rank][2].items():
+            assert torch.equal(t, twin[name]), f"rank {rank} {name} is not its replica's"
+    first, next_shard = runs[0][2], runs[tp][2]  # dp_shard ranks 0 and 1 of replica 0
+    assert any(not torch.equal(first[n], next_shard[n]) for n in first), "shards are equal"
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +175,7 @@ def _mesh(shape, names):
 
 @pytest.mark.parametrize("make,fsdp,match", [
     (lambda: _mesh((2, 2), ("dp", "pp")), True, "needs a 'tp' dimension"),
-    (lambda: _mesh((4,), ("tp",)), True, "fsdp needs a device mesh with 'dp' and 'tp'"),
+    (lambda: _mesh((4,), ("tp",)), True, "fsdp needs a device mesh with a 'dp_shard'"),
     (lambda: None, True, "fsdp needs a device mesh"),
     (lambda: DeviceMesh("cpu", torch.tensor([[0, 1]]), mesh_dim_names=("dp", "tp")), True,
      "the world has 4"),
@@ -164,6 +203,20 @@ def test_trainer_fsdp_equals_unsharded_and_resumes_exactly(real_ranks, tmp_path)
     assert resumed == full[3:], (resumed, full[3:])
     assert all(r == runs[0] for r in runs)
     assert (tmp_path / "ck" / "step-00000006" / ".metadata").is_file()
+
+
+@pytest.mark.real
+@pytest.mark.timeout(180)
+def test_trainer_hsdp_equals_unsharded(real_ranks):
+    """``--dp-replicate 2 --dp-shard 2 --tp 1``: HSDP in the trainer (its replica check
+    compares the shards along dp_replicate every 3 steps), the losses of one process on
+    the global batch of 4 data-parallel ranks."""
+    cfg = dict(train_cases.BASE, steps=4, tp=1, dp=None, dp_replicate=2, dp_shard=2,
+               check_replicas_every=3)
+    runs = real_ranks(4).run(train_cases.train_rank, cfg)
+    want, _ = train_cases.reference_losses(cfg, dp=4)
+    close(runs[0], want, "loss")
+    assert all(r == runs[0] for r in runs)
 
 
 @pytest.mark.real

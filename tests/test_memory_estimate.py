@@ -6,6 +6,7 @@ step holds (tensor bytes after an AdamW step; activations by
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -78,6 +79,28 @@ def test_fsdp_divides_state_and_mixed_precision_adds_a_master_copy():
     assert bf16.params * 2 == base.params
     assert bf16.optimizer_state == base.optimizer_state * 3 // 2  # 2 moments + master, fp32
     assert bf16.activations < base.activations
+
+
+@pytest.mark.parametrize("tp", [1, TP])
+def test_hsdp_divides_state_by_the_shards_only(tp):
+    """Mixed-precision AdamW holds 16 bytes a parameter (bf16 weight and gradient, fp32
+    master and two moments); HSDP divides them by dp_shard, not by dp_replicate. At
+    tp=1 a rank's parameters are the model's; at tp 2 its TP shards (the plan's)."""
+    model = build("gpt-tiny", device="meta", **CFG)
+    est = shardplan.plan(model, tp, batch=BATCH, seq=SEQ, dtype=torch.bfloat16,
+                         dp_replicate=2, dp_shard=4).memory.training
+    plain = shardplan.plan(model, tp, batch=BATCH, seq=SEQ, dtype=torch.bfloat16)
+    local = sum(math.prod(p.local_shape) for p in plain.params)
+    if tp == 1:
+        assert local == sum(p.numel() for p in model.parameters())
+    assert est.params + est.grads + est.optimizer_state == 16 * local // 4
+    assert (est.dp, est.dp_replicate, est.dp_shard, est.fsdp) == (8, 2, 4, True)
+    fsdp = shardplan.plan(model, tp, batch=BATCH, seq=SEQ, dtype=torch.bfloat16,
+                          dp=4, fsdp=True).memory.training  # the alias: dp is the shards
+    assert (fsdp.params, fsdp.optimizer_state, fsdp.fsdp_transient) == \
+        (est.params, est.optimizer_state, est.fsdp_transient)
+    assert "dp_replicate=2 x dp_shard=4 HSDP" in shardplan.plan(
+        model, tp, batch=BATCH, seq=SEQ, dp_replicate=2, dp_shard=4).report()
 
 
 def test_fits_and_report_line():

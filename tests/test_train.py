@@ -184,6 +184,33 @@ def test_parse_args():
         parse_args(["--min-lr", "1", "--lr", "0.1"])
 
 
+@pytest.mark.parametrize("argv,sizes,fsdp", [
+    (["--tp", "2", "--dp", "2"], {"tp": 2, "dp_replicate": 2, "dp_shard": None}, False),
+    (["--tp", "2", "--dp", "2", "--fsdp"], {"tp": 2, "dp_replicate": None, "dp_shard": 2}, True),
+    (["--tp", "2", "--fsdp"], {"tp": 2, "dp_replicate": 1, "dp_shard": None}, True),
+    (["--dp-replicate", "2", "--dp-shard", "2"],
+     {"tp": None, "dp_replicate": 2, "dp_shard": 2}, True),          # dp_shard > 1: FSDP2
+    (["--dp-replicate", "2"], {"tp": None, "dp_replicate": 2, "dp_shard": None}, False),
+])
+def test_data_parallel_flags(argv, sizes, fsdp):
+    """--dp is --dp-shard with --fsdp, else --dp-replicate; --fsdp alone shards the ranks
+    tp leaves; --dp-shard > 1 is FSDP2."""
+    c = parse_args(argv)
+    assert c.parallel_sizes() == sizes and c.fsdp is fsdp
+
+
+def test_data_parallel_flags_refused_and_documented(capsys):
+    with pytest.raises(ConfigurationError, match="dp=2 with dp_replicate=None, dp_shard=2"):
+        parse_args(["--dp", "2", "--dp-shard", "2"])
+    with pytest.raises(ConfigurationError, match="dp_replicate=0 must be >= 1"):
+        parse_args(["--dp-replicate", "0"])
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--dp-shard with --fsdp, else --dp-replicate" in text
+    assert "> 1 turns --fsdp on" in text
+
+
 def test_resolve_checkpoint(tmp_path):
     for step in (5, 20, 100):
         (tmp_path / f"step-{step:08d}").mkdir()

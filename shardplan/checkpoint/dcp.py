@@ -134,7 +134,7 @@ def _chunks(t: torch.Tensor, entry: Entry, rank: int, tp: int) -> Chunks:
     """The chunks of ``entry``'s full tensor that ``t`` (its parameter, or a state tensor
     shaped like it) holds on this TP rank; views of ``t``'s local data."""
     row0 = 0
-    if isinstance(t, DTensor):  # FSDP2's shard over "dp" of the TP shard, along dim 0
+    if isinstance(t, DTensor):  # FSDP2's shard of the TP shard, along dim 0
         _, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
         row0, t = offsets[0] if offsets else 0, t.to_local()
     t = t.detach()

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import CheckpointError
-from ..layouts import Partial, Replicate, Shard, spec_of
+from ..layouts import MeshDim, Partial, Replicate, Shard, spec_of
 from ..planner.shards import local_shape
 
 
@@ -40,7 +40,7 @@ def entries_of(sharded) -> list[Entry]:
     for tid, group in names.items():
         t = tensors[tid]
         spec = spec_of(t)
-        lay = _normal_dim(spec.layout["tp"] if spec else Replicate(), t.dim(), group[0])
+        lay = _normal_dim(spec.layout[MeshDim.TP] if spec else Replicate(), t.dim(), group[0])
         full = spec.shape if spec else tuple(t.shape)
         if local_shape(full, lay, tp) != tuple(t.shape):
             raise CheckpointError(f"{group[0]}: this rank holds {list(t.shape)}, but layout {lay} "

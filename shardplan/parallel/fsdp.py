@@ -1,9 +1,12 @@
-"""FSDP2 over the "dp" mesh dimension, per block, on top of tensor parallelism.
+"""FSDP2 over the data-parallel mesh dimensions, per block, on top of tensor parallelism.
 
 ``parallelize(model, mesh=mesh, fsdp=True)`` shards each block's TP-local
 parameters over the data-parallel ranks with torch's ``fully_shard``, the
 blocks first and the root last, so that only one block's parameters are
-gathered at a time.
+gathered at a time. The mesh is ``ParallelDims.fsdp_mesh``: dp_shard alone
+(FSDP), or (dp_replicate, dp_shard), on which ``fully_shard`` is HSDP:
+shards over dp_shard, replicated along dp_replicate, gradients
+reduce-scattered over the shards and all-reduced over the replicas.
 
 FSDP2 gathers a module's parameters in its forward pre-hook, frees them in
 the post-hook and reduce-scatters their gradients from hooks on its output.

@@ -1,14 +1,17 @@
 """memory: will a training step fit? Per-rank bytes before the first GPU-hour.
 
-``estimate`` adds up, per rank, for a plan at tp (x dp data parallelism):
+``estimate`` adds up, per rank, for a plan at tp (x dp_replicate x dp_shard
+data parallelism):
 
 - parameters: the plan's local shapes at ``dtype``;
 - gradients: the same shapes and dtype as the parameters;
 - optimizer state: AdamW keeps two fp32 moments per parameter, plus an fp32
   master copy when ``dtype`` is 16-bit (mixed precision); SGD keeps none;
-- FSDP (``fsdp=True``) divides these three by dp and adds a transient: one
-  block's parameters gathered over dp and its unsharded gradients before
-  their reduce-scatter. Plain dp replicates them;
+- FSDP (``fsdp=True``) divides these three by dp_shard and adds a transient:
+  one block's parameters gathered over dp_shard and its unsharded gradients
+  before their reduce-scatter. Replicas (dp_replicate: plain data
+  parallelism, or HSDP's replicas of the shards) each hold them all, so
+  dp_replicate divides nothing;
 - activations: what autograd saves for backward in the graph this rank runs.
   The rank's rewritten graph runs once on fake tensors (shapes only, no
   memory) under ``saved_tensors_hooks``; every saved storage is counted once,
@@ -55,6 +58,8 @@ class MemoryEstimate(BaseModel):
     dtype: str
     optimizer: str | None
     dp: int
+    dp_replicate: int
+    dp_shard: int
     fsdp: bool
     sequence_parallel: bool
     recompute: bool
@@ -78,21 +83,23 @@ class MemoryEstimate(BaseModel):
 
 
 def estimate(plan, model: nn.Module, captured: Captured, ann: Annotation, args, kwargs, *,
-             dtype: torch.dtype | None, dp: int, fsdp: bool, sequence_parallel: bool,
+             dtype: torch.dtype | None, dp_replicate: int, dp_shard: int, fsdp: bool,
+             sequence_parallel: bool,
              recompute: bool, optimizer: str | None, gpu_memory: int | None) -> MemoryEstimate:
     """The per-rank memory of training ``plan``'s model (see the module docstring)."""
     if optimizer is not None and optimizer not in OPTIMIZER_BYTES:
         raise ConfigurationError(f"optimizer={optimizer!r} is not one shardplan estimates",
                                  fix=f"pass one of {sorted(OPTIMIZER_BYTES)} or None")
     dtype = dtype or next(model.parameters()).dtype
-    params, grads, state, transient = state_bytes(plan, dtype, dp=dp, fsdp=fsdp,
+    params, grads, state, transient = state_bytes(plan, dtype, dp_shard=dp_shard, fsdp=fsdp,
                                                   optimizer=optimizer)
     outside, per_block, n_blocks = saved_activations(model, captured, ann, args, kwargs,
                                                      recompute=recompute, dtype=dtype)
     activations = outside + sum(per_block)
     peak = params + grads + state + transient + activations
     return MemoryEstimate(
-        dtype=str(dtype).replace("torch.", ""), optimizer=optimizer, dp=dp, fsdp=fsdp,
+        dtype=str(dtype).replace("torch.", ""), optimizer=optimizer,
+        dp=dp_replicate * dp_shard, dp_replicate=dp_replicate, dp_shard=dp_shard, fsdp=fsdp,
         sequence_parallel=sequence_parallel, recompute=recompute, params=params,
         grads=grads, optimizer_state=state, fsdp_transient=transient,
         activations=activations, activations_per_block=max(per_block, default=0),
@@ -100,14 +107,15 @@ def estimate(plan, model: nn.Module, captured: Captured, ann: Annotation, args, 
         fits=None if gpu_memory is None else peak <= gpu_memory)
 
 
-def state_bytes(plan, dtype: torch.dtype, *, dp: int, fsdp: bool,
+def state_bytes(plan, dtype: torch.dtype, *, dp_shard: int, fsdp: bool,
                 optimizer: str | None) -> tuple[int, int, int, int]:
-    """Per-rank (parameters, gradients, optimizer state, FSDP transient) bytes."""
+    """Per-rank (parameters, gradients, optimizer state, FSDP transient) bytes: FSDP
+    divides by dp_shard only (HSDP's replicas hold the same shards)."""
     size = torch.empty((), dtype=dtype).element_size()
-    shard = dp if fsdp else 1
+    shard = dp_shard if fsdp else 1
     numel = sum(math.prod(p.local_shape) for p in plan.params)
     per_param = OPTIMIZER_BYTES[optimizer] + (4 if size < 4 else 0) if optimizer else 0
-    transient = 2 * _largest_block(plan) * size * (dp - 1) // dp if fsdp else 0
+    transient = 2 * _largest_block(plan) * size * (shard - 1) // shard if fsdp else 0
     return (math.ceil(numel * size / shard), math.ceil(numel * size / shard),
             math.ceil(numel * per_param / shard), transient)
 

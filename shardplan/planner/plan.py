@@ -30,6 +30,7 @@ from .inputs import check_dtypes, check_model_arg, example_args
 from .kinds import Role
 from .memory import MemoryEstimate, estimate
 from ..layouts import MeshDim, MeshLayout, MeshSizes, Replicate, Shard
+from ..parallel_dims import ParallelDims
 from .rules import RuleSet, load_rules
 from .shards import local_shape
 from .transitions import Purpose, Transition, message
@@ -195,7 +196,8 @@ class Plan(BaseModel):
 
 def plan(model: nn.Module, tp: int, *, example_inputs=None, rules="megatron",
          strict: bool = False, sequence_parallel: bool = False, batch: int | None = None,
-         seq: int | None = None, dp: int = 1, fsdp: bool = False, recompute: bool = False,
+         seq: int | None = None, dp: int | None = None, dp_replicate: int | None = None,
+         dp_shard: int | None = None, fsdp: bool = False, recompute: bool = False,
          dtype: torch.dtype | None = None, optimizer: str | None = "adamw",
          gpu_memory: int | None = None) -> Plan:
     """The plan for ``model`` at ``tp``, with no process group and no real memory.
@@ -208,12 +210,19 @@ def plan(model: nn.Module, tp: int, *, example_inputs=None, rules="megatron",
     With ``batch`` and ``seq`` (token ids, and targets when the forward takes
     them, of that shape are the example inputs) or ``example_inputs``, and
     any of the training keywords, ``plan.memory.training`` estimates a
-    training step's per-rank bytes (``memory.estimate``): ``dp`` replicas,
-    sharded by FSDP when ``fsdp``, ``recompute`` per block, parameters and
+    training step's per-rank bytes (``memory.estimate``): ``dp_replicate``
+    replicas of ``dp_shard`` FSDP2 shards (HSDP when both are > 1; ``fsdp``
+    with dp_shard 1 is FSDP2 over one rank), or the ``dp`` of before HSDP
+    (shards with ``fsdp``, else replicas), ``recompute`` per block, parameters and
     activations in ``dtype`` (default: the model's), ``optimizer`` state, and
     whether the peak fits ``gpu_memory`` bytes.
     """
     check_model_arg(model, tp)
+    sizes = ParallelDims.data_parallel(dp=dp, dp_replicate=dp_replicate, dp_shard=dp_shard,
+                                       fsdp=fsdp)
+    dims = ParallelDims(tp=tp, dp_replicate=sizes["dp_replicate"] or 1,
+                        dp_shard=sizes["dp_shard"] or 1)
+    fsdp = fsdp or dims.dp_shard > 1
     ruleset = load_rules(rules)
     if example_inputs is None and batch is not None and seq is not None:
         example_inputs = token_batch(model, batch, seq)
@@ -225,9 +234,10 @@ def plan(model: nn.Module, tp: int, *, example_inputs=None, rules="megatron",
     p = build_plan(model, captured, ann, ruleset, args, kwargs)
     _CAPTURES[id(p)] = (weakref.ref(model), args, kwargs, captured)
     weakref.finalize(p, _CAPTURES.pop, id(p), None)
-    if batch is not None or dp > 1 or fsdp or recompute or gpu_memory is not None:
+    if batch is not None or dims.dp > 1 or fsdp or recompute or gpu_memory is not None:
         p.memory.training = estimate(
-            p, model, captured, ann, args, kwargs, dtype=dtype, dp=dp, fsdp=fsdp,
+            p, model, captured, ann, args, kwargs, dtype=dtype,
+            dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, fsdp=fsdp,
             sequence_parallel=sequence_parallel, recompute=recompute, optimizer=optimizer,
             gpu_memory=gpu_memory)
     return p

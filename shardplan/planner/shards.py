@@ -22,7 +22,7 @@ def local_tensors(model: nn.Module, layouts: dict, aliases: dict[str, str],
     Sharded tensors are fresh copies of this rank's slice (empty on meta);
     replicated ones are the model's own objects. Aliases (tied weights) map
     to one object. Every tensor gets its spec (on a replicated one, the
-    model's own object, that is ``dp=R,tp=R`` and its shape).
+    model's own object, replicated over every mesh dimension, and its shape).
     """
     by_canon = {aliases.get(k, k): v for k, v in layouts.items()}
     made: dict[str, torch.Tensor] = {}

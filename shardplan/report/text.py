@@ -69,9 +69,18 @@ def _choices(plan, width: int) -> list[str]:
     return lines
 
 
+def _data_parallel(t) -> str:
+    """``dp=4``, ``dp_shard=4 FSDP`` or ``dp_replicate=2 x dp_shard=2 HSDP``."""
+    if not t.fsdp:
+        return f"dp={t.dp}"
+    if t.dp_replicate == 1:
+        return f"dp_shard={t.dp_shard} FSDP"
+    return f"dp_replicate={t.dp_replicate} x dp_shard={t.dp_shard} HSDP"
+
+
 def _training_memory(t) -> list[str]:
     """The per-rank memory table of a training step, and whether it fits."""
-    setup = [f"dp={t.dp}" + (" FSDP" if t.fsdp else ""), t.dtype, t.optimizer or "no optimizer"]
+    setup = [_data_parallel(t), t.dtype, t.optimizer or "no optimizer"]
     setup += [w for w, on in (("sequence parallel", t.sequence_parallel),
                               ("recompute", t.recompute)) if on]
     lines = [f"\ntraining memory per rank ({', '.join(setup)}):"]

@@ -24,10 +24,12 @@ tp) counts once, on the first rank of its replica group.
 the group size) before the norm is taken; afterwards every replica holds the
 same gradients, so the norm needs no reduction over data-parallel ranks.
 Under FSDP2 (``parallelize(..., fsdp=True)``) the gradients are ``DTensor``
-shards over the "dp" mesh dimension, already averaged by FSDP2's
-reduce-scatter; the shards are disjoint, so their squares are summed over the
-data-parallel ranks too (one more scalar all-reduce), and each rank scales
-its own shard.
+shards over the dp_shard mesh dimension, already averaged by FSDP2's
+reduce-scatter (and, with HSDP, its all-reduce over the replicas); the
+shards are disjoint, so their squares are summed over the mesh dimensions
+the ``DTensor`` is sharded along (one more scalar all-reduce; HSDP's
+replicas hold the same shard and are not summed), and each rank scales its
+own shard.
 
 **fp16.** ``TPGradScaler`` is ``torch.amp.GradScaler`` with an overflow check
 that every rank agrees on (torch's AMP recipe, clipping the unscaled grads)::
@@ -52,7 +54,7 @@ from torch.distributed.tensor import DTensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..errors import ConfigurationError
-from ..layouts import Shard, spec_of
+from ..layouts import MeshDim, Shard, spec_of
 from ..runtime.comm import TorchGroup
 
 __all__ = ["build_optimizer", "param_groups", "lr_schedule", "cosine_scheduler",
@@ -209,25 +211,25 @@ def _all_reduce(t: torch.Tensor, group, op: str, site: str, direction: str = "no
 
 def _owned(model: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor], list]:
     """(every local gradient, the ones this rank counts in the norm, the groups to sum
-    over: the TP group if any, and the FSDP2 data-parallel group if the gradients are
-    its ``DTensor`` shards).
+    over: the TP group if any, and the groups FSDP2's ``DTensor`` gradients are
+    sharded over, if they are).
 
     Each parameter's placement comes from its spec (``layouts.spec_of``); a
     parameter without one (a plain module's) is replicated.
     """
     group = getattr(model, "group", None)
     rank = group.rank if group is not None else 0
-    every, owned, fsdp_group = [], [], None
+    every, owned, fsdp_groups = [], [], None
     for p in model.parameters():  # tied parameters once
         if p.grad is None:
             continue
         grad = p.grad
         if isinstance(grad, DTensor):
-            fsdp_group = fsdp_group or TorchGroup(grad.device_mesh.get_group())
+            fsdp_groups = fsdp_groups if fsdp_groups is not None else _shard_groups(grad)
             grad = grad.to_local()
         every.append(grad)
         spec = spec_of(p)
-        lay = spec.layout["tp"] if spec is not None else None
+        lay = spec.layout[MeshDim.TP] if spec is not None else None
         if isinstance(lay, Shard):
             if lay.blocked_replicas:  # each block's slice once, by the first of its ranks
                 at = 0
@@ -239,8 +241,15 @@ def _owned(model: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor], li
                 owned.append(grad)
         elif rank == 0:  # replicated: the same on every TP rank, counted once
             owned.append(grad)
-    groups = [g for g in (group, fsdp_group) if g is not None and g.size > 1]
+    groups = [g for g in (group, *(fsdp_groups or ())) if g is not None and g.size > 1]
     return every, owned, groups
+
+
+def _shard_groups(t: DTensor) -> list[TorchGroup]:
+    """The groups along the mesh dimensions ``t`` is sharded over (FSDP2's dp_shard, not
+    HSDP's replicas: they hold the same shard)."""
+    return [TorchGroup(t.device_mesh.get_group(i)) for i, p in enumerate(t.placements)
+            if p.is_shard()]
 
 
 def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:

@@ -4,16 +4,17 @@
         --batch-size 8 --seq-len 32 --data input.txt --save ckpt --save-every 50
     torchrun --nproc-per-node 4 -m shardplan.train --tp 2 ... --resume ckpt
 
-The world is a 2-D mesh (dp, tp) that ``ParallelDims`` builds,
-rank = dp_rank * tp + tp_rank: the model is
-parallelized over each "tp" row; gradients are averaged over each "dp"
-column (one flat all-reduce). NCCL when CUDA is available (with gloo beside it
-for CPU tensors), else gloo.
+The world is a mesh (dp_replicate, dp_shard, tp) that ``ParallelDims``
+builds, rank = dp_rank * tp + tp_rank with dp_rank = replica * dp_shard +
+shard: the model is parallelized over each "tp" row; without FSDP2
+gradients are averaged over the replicas (one flat all-reduce). NCCL when
+CUDA is available (with gloo beside it for CPU tensors), else gloo.
 Without torchrun it runs as a single process (tp = dp = 1).
 
 **Data.** Byte tokens (vocabulary 256) of ``--data FILE``, or, without a file,
 a synthetic stream (a random Markov chain over bytes, so there is something
-to learn). Step s draws ``batch_size * dp`` windows of ``seq_len + 1`` tokens
+to learn). Here dp = dp_replicate * dp_shard, the data-parallel ranks.
+Step s draws ``batch_size * dp`` windows of ``seq_len + 1`` tokens
 at random offsets from a generator seeded by (seed, s); data-parallel replica
 d takes rows ``[d * batch_size, (d + 1) * batch_size)``, and every TP rank of
 a replica the same rows. The global batch therefore depends only on the seed,
@@ -21,10 +22,14 @@ the step and ``batch_size * dp``: a single process with ``--batch-size
 B*dp`` sees exactly the concatenation of the replicas' batches, and a resumed
 run reads exactly what the uninterrupted one would have.
 
-``--fsdp``: the data-parallel dimension is FSDP2 (``parallelize(fsdp=True)``):
-parameters, gradients and optimizer state are sharded over the dp ranks per
-block, and FSDP2's reduce-scatter averages the gradients (the hand-written
-all-reduce is only for ``--fsdp`` off).
+``--dp-shard N`` (N > 1, or ``--fsdp``): FSDP2 (``parallelize(fsdp=True)``):
+parameters, gradients and optimizer state are sharded over the dp_shard
+ranks per block, and FSDP2 averages the gradients (the hand-written
+all-reduce is only without it). With ``--dp-replicate R`` too it is HSDP:
+R replicas of that sharding, FSDP2 all-reducing the gradient shards over
+them. ``--dp N`` is the alias of before HSDP: ``--dp-shard N`` with
+``--fsdp``, else ``--dp-replicate N``; ``--fsdp`` alone gives the shards
+the data-parallel ranks ``--dp-replicate`` leaves.
 
 **Optimizer.** ``shardplan.train.optim``: AdamW (betas 0.9/0.95, no decay on 1-D
 parameters), linear warm-up then cosine decay to ``--min-lr``, global-norm
@@ -75,6 +80,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from .. import checkpoint
 from ..api import parallelize
@@ -84,6 +90,7 @@ from ..runtime.comm import TorchGroup
 from ..errors import CommunicationError, ConfigurationError
 from .optim import (TPGradScaler, average_gradients, build_optimizer, clip_grad_norm_,
                     lr_schedule)
+from ..layouts import MeshDim
 from ..parallel_dims import ParallelDims
 from ..runtime.random import MODEL_PARALLEL, REPLICATED, manual_seed
 
@@ -107,9 +114,16 @@ class TrainConfig:
 
     model: str = option("gpt-tiny", "a bundled preset (gpt-tiny, llama-tiny, ...) or "
                                     "package.module:factory")
-    tp: int | None = option(None, "tensor-parallel size (default: world / dp, all ranks "
-                                  "when --dp is unset)")
-    dp: int | None = option(None, "data-parallel size (default: world / tp)")
+    tp: int | None = option(None, "tensor-parallel size (default: the ranks the data-parallel "
+                                  "sizes leave; all ranks when none is set)")
+    dp: int | None = option(None, "data-parallel size, an alias: --dp-shard with --fsdp, "
+                                  "else --dp-replicate")
+    dp_replicate: int | None = option(None, "data-parallel replicas: plain data parallelism, or "
+                                            "HSDP's replicas with --dp-shard (default: the "
+                                            "ranks tp and dp-shard leave)")
+    dp_shard: int | None = option(None, "FSDP2's shards per replica; > 1 turns --fsdp on "
+                                        "(default: 1; with --fsdp, the ranks tp and "
+                                        "dp-replicate leave)")
     steps: int = option(100, "optimizer steps")
     batch_size: int = option(8, "sequences per data-parallel replica and step")
     seq_len: int = option(32, "tokens per sequence")
@@ -137,7 +151,7 @@ class TrainConfig:
                                             "regions on 1/tp of the sequence (the sequence "
                                             "length must divide by tp)")
     fsdp: bool = option(False, "shard parameters, gradients and optimizer state over the "
-                        "data-parallel ranks with FSDP2, per block (checkpoints are then "
+                        "dp-shard ranks with FSDP2, per block (checkpoints are then "
                         "torch DCP)")
     compile: str | None = option(None, "torch.compile the sharded graph (fullgraph; per block "
                                        "with --recompute or --fsdp) with this backend; bare "
@@ -156,10 +170,14 @@ class TrainConfig:
         for name in ("warmup", "save_every", "check_replicas_every", "log_every"):
             if getattr(self, name) < 0:
                 raise ConfigurationError(f"{name}={getattr(self, name)} must be >= 0")
-        for name in ("tp", "dp"):
+        for name in ("tp", "dp", "dp_replicate", "dp_shard"):
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ConfigurationError(f"{name}={v} must be >= 1")
+        ParallelDims.data_parallel(dp=self.dp, dp_replicate=self.dp_replicate,
+                                   dp_shard=self.dp_shard)  # --dp with either: refused
+        if (self.dp_shard or 1) > 1:
+            self.fsdp = True  # the shards are FSDP2's
         if self.lr <= 0:
             raise ConfigurationError(f"lr={self.lr} must be > 0")
         if self.min_lr is not None and not 0 <= self.min_lr <= self.lr:
@@ -179,6 +197,16 @@ class TrainConfig:
             raise ConfigurationError("bf16 and fp16 are both set", where="--bf16 --fp16",
                                      fix="choose one: --bf16 (no loss scaling needed) or "
                                          "--fp16 (float16 with dynamic loss scaling)")
+
+    def parallel_sizes(self) -> dict:
+        """The sizes for ``ParallelDims.for_world``: ``--dp`` as its alias; with
+        ``--fsdp`` the data-parallel ranks ``--dp-replicate`` leaves are the shards."""
+        sizes = ParallelDims.data_parallel(dp=self.dp, dp_replicate=self.dp_replicate,
+                                           dp_shard=self.dp_shard, fsdp=self.fsdp)
+        if self.fsdp and self.tp is not None and sizes == {"dp_replicate": None,
+                                                          "dp_shard": None}:
+            sizes["dp_replicate"] = 1  # the rest goes to dp_shard
+        return {"tp": self.tp, **sizes}
 
     @property
     def floor_lr(self) -> float:
@@ -431,12 +459,14 @@ class Trainer:
         self.device = _device(config)
         init_distributed(self.device)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        #: the parallel dims and their ("dp", "tp") mesh
-        self.dims = ParallelDims.for_world(self.world, tp=config.tp, dp=config.dp) \
+        #: the parallel dims and their mesh
+        self.dims = ParallelDims.for_world(self.world, **config.parallel_sizes()) \
             .with_mesh(self.device.type)
         self.tp, self.dp = self.dims.tp, self.dims.dp
-        self.dp_group = self.dims.dp_group
-        self.tp_rank, self.dp_rank = self.dims.tp_group.rank, self.dp_group.rank
+        self.tp_rank, self.dp_rank = self.dims.tp_group.rank, self.dims.dp_rank
+        #: the replicas whose gradients this rank averages (FSDP2 averages its own)
+        self.dp_group = None if config.fsdp or self.dims.dp_replicate == 1 \
+            else self.dims.group(MeshDim.DP_REPLICATE)
 
         self.data = TokenData(config.data, seq_len=config.seq_len, batch_size=config.batch_size,
                               dp=self.dp, seed=config.seed)
@@ -468,16 +498,16 @@ class Trainer:
         batch = tuple(t.to(self.device, non_blocking=True)
                       for t in self.data.batch(step, self.dp_rank))
         done = training_step(self.sharded, self.optimizer, self.scaler, batch, config=c, lr=lr,
-                             dp_group=None if c.fsdp else self.dp_group)  # FSDP2 averages
+                             dp_group=self.dp_group)
         if done.skipped and self.rank == 0:
             why = (f"inf/nan gradients at loss scale {done.scale:g}, backed off to "
                    f"{self.scaler.get_scale():g}" if c.fp16 else f"gradient norm {done.norm.item()}")
             print(f"shardplan.train: step {step + 1}: {why}; step skipped",
                   file=sys.stderr, flush=True)
         mean = done.loss.float().reshape(1)
-        if self.dp > 1:
-            dist.all_reduce(mean, group=self.dp_group.pg)
-            mean /= self.dp
+        for group in self.dims.dp_groups:  # the sum over every data-parallel rank
+            dist.all_reduce(mean, group=group.pg)
+        mean /= self.dp
         self.step += 1
         record = {"step": self.step, "loss": mean.item(), "lr": lr,
                   "grad_norm": done.norm.item(), "skipped": done.skipped}
@@ -539,8 +569,12 @@ class Trainer:
         check_replicas(self.sharded)
 
     def _check_dp_replicas(self) -> None:
-        if self.dp > 1 and not self.config.fsdp:  # FSDP2's shards are not replicas
-            assert_same_across(self.dp_group, dict(self.sharded.named_parameters()),
+        """Along dp_replicate every rank holds the same tensors (with HSDP, the same
+        FSDP2 shards); FSDP2's shards along dp_shard differ."""
+        if self.dims.dp_replicate > 1:
+            local = {n: p.to_local() if isinstance(p, DTensor) else p
+                     for n, p in self.sharded.named_parameters()}
+            assert_same_across(self.dims.group(MeshDim.DP_REPLICATE), local,
                                what="data-parallel replicas drifted",
                                fix="every replica must average the same gradients and "
                                    "step alike; report it with the plan")
@@ -551,7 +585,9 @@ class Trainer:
         return {"format": FORMAT, "step": self.step, "data": self.data.position(self.step),
                 "rng": _rng_json(self.tracker.get_states()),
                 "scaler": self.scaler.state_dict(),  # {} without fp16
-                "config": {"model": c.model, "tp": self.tp, "dp": self.dp, "seed": c.seed,
+                "config": {"model": c.model, "tp": self.tp, "dp": self.dp,
+                           "dp_replicate": self.dims.dp_replicate,
+                           "dp_shard": self.dims.dp_shard, "seed": c.seed,
                            "batch_size": c.batch_size, "seq_len": c.seq_len, "lr": c.lr,
                            "steps": c.steps, "bf16": c.bf16, "fp16": c.fp16}}
 
@@ -613,11 +649,13 @@ class Trainer:
         c = self.config
         backend = dist.get_backend()
         print(f"shardplan.train: {c.model} ({self.n_params / 1e6:.2f}M parameters), "
-              f"world {self.world} = dp {self.dp} x tp {self.tp}, {backend} on {self.device.type}"
+              f"world {self.world} = dp_replicate {self.dims.dp_replicate} x dp_shard "
+              f"{self.dims.dp_shard} x tp {self.tp}, {backend} on {self.device.type}"
               f"{', bf16 autocast' if c.bf16 else ''}"
               f"{', fp16 autocast with loss scaling' if c.fp16 else ''}"
               f"{', recomputed blocks' if c.recompute else ''}"
-              f"{', FSDP2 over dp' if c.fsdp else ''}"
+              f"{', FSDP2 over dp_shard' if c.fsdp else ''}"
+              f"{' (HSDP)' if c.fsdp and self.dims.dp_replicate > 1 else ''}"
               f"{f', compiled ({c.compile})' if c.compile else ''}; global batch "
               f"{self.data.global_batch_size} x {c.seq_len} tokens; "
               f"data {c.data or 'synthetic'}", flush=True)
