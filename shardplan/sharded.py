@@ -15,6 +15,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
+from . import arguments
 from .planner.capture import PLANNING_LOCK, Captured, capture
 from .planner.annotate import Annotation, annotate
 from .planner.inputs import check_dtypes
@@ -138,9 +139,10 @@ class ShardedModule(nn.Module):
         holding its heads of the K/V cache. A model with no decode step
         recomputes the whole prefix for every token, with a warning saying why.
         """
-        from .generate import generate
-        step = self._decoder_for(input_ids, kwargs.get("max_new_tokens", 0)) \
-            if kv_cache else None
+        from .generate import check_arguments, generate
+        check_arguments(self._source[0], input_ids, **kwargs)  # before a decode step is built
+        arguments.flag("kv_cache", kv_cache, where="generate")
+        step = self._decoder_for(input_ids, kwargs["max_new_tokens"]) if kv_cache else None
         gather = None if self._gather or step is not None else self._vocab_gather()
         return generate(self, input_ids, group=self._group, source=self._source[0],
                         gather=gather, step=step, **kwargs)
@@ -169,9 +171,9 @@ class ShardedModule(nn.Module):
         """The decode step that fits this generation, or None (warned) where there is none."""
         from .errors import ShardplanError
         from .kvcache import cache_length
-        batch, prompt = input_ids.shape if input_ids.dim() == 2 else (0, 0)
-        if not batch or not prompt or max_new_tokens < 1:
-            return None  # generate() reports the bad arguments
+        batch, prompt = input_ids.shape
+        if max_new_tokens < 1:
+            return None  # the prompt is the result
         try:
             length = cache_length(self._source[0], prompt + max_new_tokens - 1)
             return self.decode_step(batch, length)

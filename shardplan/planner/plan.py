@@ -24,7 +24,7 @@ from .annotate import Annotation, annotate, block_of, owner_name
 from ..errors import CaptureError
 from .inputs import check_dtypes, check_model_arg, example_args
 from .kinds import Role
-from .memory import MemoryEstimate, estimate
+from .memory import MemoryEstimate, check_estimate_arguments, estimate
 from ..layouts import Replicate, Shard
 from .rules import RuleSet, load_rules
 from .shards import local_shape
@@ -156,8 +156,8 @@ class Plan(BaseModel):
 def plan(model: nn.Module, tp: int, *, example_inputs=None, rules="megatron",
          strict: bool = False, sequence_parallel: bool = False, batch: int | None = None,
          seq: int | None = None, dp: int = 1, fsdp: bool = False, recompute: bool = False,
-         dtype: torch.dtype | None = None, optimizer: str | None = "adamw",
-         gpu_memory: int | None = None) -> Plan:
+         dtype: torch.dtype | str | None = None, optimizer: str | None = "adamw",
+         gpu_memory: int | str | None = None) -> Plan:
     """The plan for ``model`` at ``tp``, with no process group and no real memory.
 
     Lists of identical blocks that run one after another are captured with
@@ -170,12 +170,18 @@ def plan(model: nn.Module, tp: int, *, example_inputs=None, rules="megatron",
     any of the training keywords, ``plan.memory.training`` estimates a
     training step's per-rank bytes (``memory.estimate``): ``dp`` replicas,
     sharded by FSDP when ``fsdp``, ``recompute`` per block, parameters and
-    activations in ``dtype`` (default: the model's), ``optimizer`` state, and
-    whether the peak fits ``gpu_memory`` bytes.
+    activations in ``dtype`` (default: the model's; a dtype or its name), ``optimizer``
+    state (``"adamw"``, ``"sgd"`` or None), and whether the peak fits ``gpu_memory``
+    (bytes, or a size such as ``"80GB"``). A bad value of any of them raises
+    ``ConfigurationError`` (``memory.check_estimate_arguments``) before anything is captured.
     """
     check_model_arg(model, tp)
+    dtype, gpu_memory = check_estimate_arguments(
+        batch=batch, seq=seq, examples=example_inputs is not None, dp=dp, fsdp=fsdp,
+        sequence_parallel=sequence_parallel, recompute=recompute, dtype=dtype,
+        optimizer=optimizer, gpu_memory=gpu_memory)
     ruleset = load_rules(rules)
-    if example_inputs is None and batch is not None and seq is not None:
+    if batch is not None:
         example_inputs = token_batch(model, batch, seq)
     args, kwargs = example_args(model, example_inputs)
     captured = _capture_stamped(model, args, kwargs)
@@ -272,7 +278,7 @@ def build_plan(model: nn.Module, captured: Captured, ann: Annotation, ruleset: R
                 warnings=list(ann.warnings),
                 memory=Memory(param_bytes_per_rank=per_rank, param_bytes_unsharded=unsharded),
                 repeated={k: list(v) for k, v in captured.truncated.items()},
-                sequence_parallel=bool(ann.seq_dims), choices=choices)
+                sequence_parallel=bool(ann.scattered or ann.deferred), choices=choices)
 
 
 def _choice(c) -> ChoiceEntry:
