@@ -55,7 +55,8 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
     step (``kvcache.decode_step``, plain or parallelized with ``parallel_step``)
     with room for ``input_ids``' batch and prompt + ``max_new_tokens`` - 1 positions,
     used instead of ``model``'s forward on the whole prefix.
-    Stops early once every sequence has produced ``eos_token_id``.
+    Stops early once every sequence has produced ``eos_token_id``. Every argument is
+    checked first (``check_arguments``: the allowed values).
     """
     source = model if source is None else source
     opts = check_arguments(source, input_ids, max_new_tokens=max_new_tokens, do_sample=do_sample,

@@ -137,7 +137,8 @@ class ShardedModule(nn.Module):
         With ``kv_cache`` (the default) the model runs as its decode step
         (``decode_step``): the prompt once, then one token per step, each rank
         holding its heads of the K/V cache. A model with no decode step
-        recomputes the whole prefix for every token, with a warning saying why.
+        recomputes the whole prefix for every token, with a warning saying why. The
+        arguments are checked (``generate.check_arguments``) before a step is built.
         """
         from .generate import check_arguments, generate
         check_arguments(self._source[0], input_ids, **kwargs)  # before a decode step is built

@@ -101,7 +101,7 @@ BAD = {  # argument -> values the estimate refuses (each with the others valid),
     "recompute": [1, ["transformer.h.*"]],
     "dtype": [torch.int8, "fp16", "float8", 16],
     "optimizer": ["adam", "AdamW", 0],
-    "gpu_memory": [0, -5, float("nan"), True, "80XB", "", "1.2.3GB", "-5GB"],
+    "gpu_memory": [0, -5, float("nan"), True, "80XB", "", "1.2.3GB", "-5GB", "1e999GB"],
 }
 
 

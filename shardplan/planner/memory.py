@@ -324,7 +324,7 @@ def parse_bytes(text: str, name: str = "size") -> int:
         number = float(m.group(1)) if m else None
     except ValueError:
         number = None
-    if number is None:
+    if number is None or not math.isfinite(number):
         raise ConfigurationError(f"{name}={text!r} is not a memory size", where=_WHERE,
                                  fix="pass a number of bytes with an optional unit: B, KB, MB, "
                                      "GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (of 1024), "
