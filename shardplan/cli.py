@@ -96,15 +96,12 @@ _SP_HELP = ("hold the activations between the parallel regions on 1/tp of the se
 
 def _cmd_plan(args) -> int:
     from .planner.plan import plan
-    from .planner.memory import parse_bytes
-    dtype = getattr(torch, args.dtype) if args.dtype else None
     p = plan(build_target(args.target, meta=True), args.tp, strict=args.strict,
              sequence_parallel=args.sequence_parallel, batch=args.batch, seq=args.seq,
              dp=args.dp, dp_replicate=args.dp_replicate, dp_shard=args.dp_shard,
-             fsdp=args.fsdp, recompute=args.recompute, dtype=dtype,
+             fsdp=args.fsdp, recompute=args.recompute, dtype=args.dtype,
              optimizer=None if args.optimizer == "none" else args.optimizer,
-             gpu_memory=parse_bytes(args.gpu_memory) if args.gpu_memory else None,
-             rules=args.rules)
+             gpu_memory=args.gpu_memory, rules=args.rules)
     print(p.report())
     for path, text in ((args.json, p.to_json), (args.html, p.to_html)):
         if path:

@@ -31,6 +31,7 @@ import inspect
 import torch
 import torch.nn as nn
 
+from . import arguments
 from .errors import ConfigurationError
 from .runtime.comm import Group
 
@@ -54,14 +55,14 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
     step (``kvcache.decode_step``, plain or parallelized with ``parallel_step``)
     with room for ``input_ids``' batch and prompt + ``max_new_tokens`` - 1 positions,
     used instead of ``model``'s forward on the whole prefix.
-    Stops early once every sequence has produced ``eos_token_id``.
+    Stops early once every sequence has produced ``eos_token_id``. Every argument is
+    checked first (``check_arguments``: the allowed values).
     """
     source = model if source is None else source
-    opts = _options(source, temperature=temperature, top_k=top_k, top_p=top_p,
-                    eos_token_id=eos_token_id, pad_token_id=pad_token_id)
-    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
-        raise ConfigurationError(f"input_ids must be (batch, prompt length >= 1), got "
-                                 f"{list(input_ids.shape)}", fix="pass a 2-D tensor of token ids")
+    opts = check_arguments(source, input_ids, max_new_tokens=max_new_tokens, do_sample=do_sample,
+                           temperature=temperature, top_k=top_k, top_p=top_p,
+                           eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                           attention_mask=attention_mask, generator=generator)
     takes = set(inspect.signature(source.forward).parameters)
     masked = attention_mask is not None and not bool(attention_mask.all())
     if masked and step is None and not {"attention_mask", "position_ids"} <= takes:
@@ -91,6 +92,93 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
                 if not unfinished.any():
                     break
     return ids
+
+
+def check_arguments(source: nn.Module, input_ids, *, max_new_tokens, do_sample=False,
+                    temperature=_UNSET, top_k=_UNSET, top_p=_UNSET, eos_token_id=_UNSET,
+                    pad_token_id=_UNSET, attention_mask=None, generator=None) -> dict:
+    """The sampling options ``generate`` runs with (the unset ones ``source``'s
+    ``generation_config``'s); a ``ConfigurationError`` naming the first bad argument.
+
+    ``input_ids``: a 2-D integer tensor of ids in ``[0, vocab)`` (the token embedding's
+    size), the ``attention_mask`` its shape; ``max_new_tokens`` >= 0 (0: the prompt);
+    ``temperature`` finite, > 0 when sampling (greedy decoding ignores it); ``top_k`` >=
+    0 (0: no top-k); ``top_p`` in (0, 1]; ``eos_token_id`` an id or a list of them,
+    ``pad_token_id`` an id. None, where allowed, means "not used".
+    """
+    vocab = vocab_size(source)
+    _check_ids(input_ids, vocab)
+    if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor)
+                                       or attention_mask.shape != input_ids.shape):
+        got = list(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else \
+            type(attention_mask).__name__
+        raise ConfigurationError(f"attention_mask is {got}, input_ids {list(input_ids.shape)}",
+                                 where=_WHERE, fix="pass a mask of input_ids' shape: 1 for a "
+                                                   "token, 0 for padding; or None")
+    arguments.integer("max_new_tokens", max_new_tokens, 0, where=_WHERE)
+    arguments.flag("do_sample", do_sample, where=_WHERE)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ConfigurationError(f"generator={generator!r} is not a torch.Generator",
+                                 where=_WHERE, fix="pass torch.Generator().manual_seed(seed), "
+                                                   "or None for the global RNG")
+    opts = _options(source, temperature=temperature, top_k=top_k, top_p=top_p,
+                    eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    arguments.number("temperature", opts["temperature"], 0, where=_WHERE, low_open=do_sample,
+                     optional=True, fix="pass temperature > 0 to sample (1: the model's "
+                                        "distribution), or do_sample=False for greedy decoding")
+    arguments.integer("top_k", opts["top_k"], 0, where=_WHERE, optional=True,
+                      fix="pass top_k >= 1 to sample from the k likeliest tokens, or 0 / None "
+                          "for no top-k filtering")
+    arguments.number("top_p", opts["top_p"], 0, 1, where=_WHERE, low_open=True, optional=True,
+                     fix="pass top_p in (0, 1] (1: no nucleus filtering), or None")
+    eos = opts["eos_token_id"]
+    if isinstance(eos, (list, tuple)):
+        for i, token in enumerate(eos):
+            arguments.integer(f"eos_token_id[{i}]", token, 0, high=vocab, where=_WHERE)
+    else:
+        arguments.integer("eos_token_id", eos, 0, high=vocab, where=_WHERE, optional=True)
+    arguments.integer("pad_token_id", opts["pad_token_id"], 0, high=vocab, where=_WHERE,
+                      optional=True)
+    return opts
+
+
+def vocab_size(model: nn.Module) -> int | None:
+    """The token embedding's size (an HF model's input embeddings, else the largest
+    ``nn.Embedding``), or None for a model with none."""
+    get = getattr(model, "get_input_embeddings", None)
+    try:
+        embedding = get() if callable(get) else None
+    except NotImplementedError:
+        embedding = None
+    if isinstance(embedding, nn.Embedding):
+        return embedding.num_embeddings
+    return max((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)),
+               default=None)
+
+
+_WHERE = "generate"
+
+
+def _check_ids(ids, vocab: int | None) -> None:
+    """A (batch, prompt length >= 1) tensor of integer ids in ``[0, vocab)``."""
+    if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or \
+            ids.dtype.is_complex or ids.dtype == torch.bool:
+        got = ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise ConfigurationError(f"input_ids is {got}, not a tensor of integer token ids",
+                                 where=_WHERE, fix="pass a 2-D torch.long tensor of token ids "
+                                                   "(a tokenizer's return_tensors='pt')")
+    if ids.dim() != 2 or 0 in ids.shape:
+        raise ConfigurationError(f"input_ids must be (batch >= 1, prompt length >= 1), got "
+                                 f"{list(ids.shape)}", where=_WHERE,
+                                 fix="pass a 2-D tensor of token ids, e.g. ids[None] for one "
+                                     "prompt")
+    if vocab is None or ids.is_meta:
+        return
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= vocab:
+        raise ConfigurationError(f"input_ids holds id {low if low < 0 else high}, outside the "
+                                 f"vocabulary [0, {vocab})", where=_WHERE,
+                                 fix="check the tokenizer: it must be the model's")
 
 
 def positions(mask: torch.Tensor) -> torch.Tensor:
@@ -169,9 +257,6 @@ def _pick(scores: torch.Tensor, do_sample: bool, opts: dict, generator, group) -
 def _filtered(scores: torch.Tensor, opts: dict) -> torch.Tensor:
     """Temperature, then top-k, then top-p (nucleus) filtering of (batch, vocab) scores."""
     if opts["temperature"] not in (None, 1.0):
-        if opts["temperature"] <= 0:
-            raise ConfigurationError(f"temperature must be > 0, got {opts['temperature']}",
-                                     fix="use do_sample=False for greedy decoding")
         scores = scores / opts["temperature"]
     if opts["top_k"]:
         k = min(int(opts["top_k"]), scores.shape[-1])

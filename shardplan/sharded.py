@@ -16,6 +16,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 
+from . import arguments
 from .planner.capture import PLANNING_LOCK, Captured, capture
 from .planner.annotate import Annotation, annotate
 from .planner.input_shapes import InputShapes
@@ -182,11 +183,13 @@ class ShardedModule(nn.Module):
         With ``kv_cache`` (the default) the model runs as its decode step
         (``decode_step``): the prompt once, then one token per step, each rank
         holding its heads of the K/V cache. A model with no decode step
-        recomputes the whole prefix for every token, with a warning saying why.
+        recomputes the whole prefix for every token, with a warning saying why. The
+        arguments are checked (``generate.check_arguments``) before a step is built.
         """
-        from .generate import generate
-        step = self._decoder_for(input_ids, kwargs.get("max_new_tokens", 0)) \
-            if kv_cache else None
+        from .generate import check_arguments, generate
+        check_arguments(self._source[0], input_ids, **kwargs)  # before a decode step is built
+        arguments.flag("kv_cache", kv_cache, where="generate")
+        step = self._decoder_for(input_ids, kwargs["max_new_tokens"]) if kv_cache else None
         gather = None if self._gather or step is not None else self._vocab_gather()
         return generate(self, input_ids, group=self._group, source=self._source[0],
                         gather=gather, step=step, **kwargs)
@@ -215,9 +218,9 @@ class ShardedModule(nn.Module):
         """The decode step that fits this generation, or None (warned) where there is none."""
         from .errors import ShardplanError
         from .kvcache import cache_length
-        batch, prompt = input_ids.shape if input_ids.dim() == 2 else (0, 0)
-        if not batch or not prompt or max_new_tokens < 1:
-            return None  # generate() reports the bad arguments
+        batch, prompt = input_ids.shape
+        if max_new_tokens < 1:
+            return None  # the prompt is the result
         try:
             length = cache_length(self._source[0], prompt + max_new_tokens - 1)
             return self.decode_step(batch, length)

@@ -467,6 +467,33 @@ def op_without_rule_under_strict_in_parallelize():
     parallelized(TinyLM(mlp_op="cumsum", layers=1), 2, strict=True)
 
 
+# --------------------------------------------------------------------------- generation, estimate
+# (every argument: tests/test_generate.py and tests/test_memory_estimate.py)
+
+@bad(ConfigurationError, "max_new_tokens=-1", "integer >= 0", "generate")
+def sharded_generate_of_negative_length():
+    model = gpt()
+    on_ranks(2, lambda ctx: shardplan.parallelize(copy.deepcopy(model), group=ctx.group,
+                                                  example_inputs=IDS).generate(
+                                                      IDS, max_new_tokens=-1))
+
+
+@bad(ConfigurationError, "top_p=1.5", "(0, 1]")
+def sampling_with_top_p_above_one():
+    from shardplan.generate import generate
+    generate(gpt(), IDS, max_new_tokens=2, do_sample=True, top_p=1.5)
+
+
+@bad(ConfigurationError, "batch=-1", "integer >= 1", "plan")
+def estimate_of_a_negative_batch():
+    shardplan.plan(gpt(), 2, batch=-1, seq=16)
+
+
+@bad(ConfigurationError, "gpu_memory='80 gigs'", "not a memory size", "80GB")
+def estimate_for_memory_that_is_not_a_size():
+    shardplan.plan(gpt(), 2, batch=2, seq=8, gpu_memory="80 gigs")
+
+
 # --------------------------------------------------------------------------- rank runners
 
 @bad(ConfigurationError, "world_size")
@@ -571,7 +598,7 @@ def test_bad_input(name, request):
 
 
 def test_corpus_size():
-    assert len(CASES) == 67  # README: "a 67-case bad-input corpus"
+    assert len(CASES) == 71  # README: "a 71-case bad-input corpus"
 
 
 # --------------------------------------------------------------------------- unusual, not bad
@@ -589,3 +616,16 @@ def test_example_inputs_passing_one_tensor_twice(tp):
         return sharded(idx, targets)[0].detach()
     torch.testing.assert_close(on_ranks(tp, body)[0], model(idx, targets)[0].detach(),
                                atol=1e-5, rtol=1e-4)
+
+
+def test_sequence_parallel_without_effect_says_so():
+    """A model whose row-parallel outputs have no sequence dim plans as without sequence
+    parallelism (the same collectives), and its one warning says so."""
+    x = torch.zeros(2, 8)
+    plan = shardplan.plan(MLP(), 2, example_inputs=x, sequence_parallel=True)
+    plain = shardplan.plan(MLP(), 2, example_inputs=x)
+    assert plan.collectives == plain.collectives and not plan.sequence_parallel
+    assert len(plan.warnings) == 1 and "sequence_parallel=True has no effect" in \
+        plan.warnings[0] and "sequence_parallel=False" in plan.warnings[0], plan.warnings
+    on = shardplan.plan(gpt(), 2, sequence_parallel=True)  # where it has: no such warning
+    assert on.sequence_parallel and not [w for w in on.warnings if "no effect" in w]

@@ -201,3 +201,82 @@ def test_cli_generates_from_a_checkpoint(tmp_path, capsys, preset):
     assert cli.main(["generate", preset, "--tp", "2", "--prompt", "1, 2, 3",
                      "--max-new-tokens", "4", "--checkpoint", str(tmp_path)]) == 0
     assert capsys.readouterr().out.split() == [str(int(t)) for t in expected[0]]
+
+
+# --------------------------------------------------------------------------- bad arguments
+
+@functools.lru_cache(maxsize=None)
+def tiny():
+    """gpt-tiny with one layer (vocabulary 96): generation without any capture."""
+    from shardplan.models import build as build_preset
+    torch.manual_seed(0)
+    return build_preset("gpt-tiny", n_layer=1).eval()
+
+
+PROMPT = torch.tensor([[1, 2, 3], [4, 5, 6]])
+BAD = {  # argument -> values generate refuses (each with the others valid)
+    "max_new_tokens": [-1, 2.0, True, "4", None],
+    "do_sample": [1, "yes", None],
+    "temperature": [0, -0.5, float("nan"), float("inf"), True, "1"],
+    "top_k": [-1, 2.5, True, "5"],
+    "top_p": [0, -0.1, 1.5, float("nan"), True, "0.9"],
+    "eos_token_id": [-1, 96, 1.0, True, [3, 96], [None]],
+    "pad_token_id": [-1, 96, 0.5, False],
+    "generator": [0, "seed"],
+}
+
+
+@pytest.mark.parametrize("name,value", [pytest.param(k, v, id=f"{k}={v!r}")
+                                        for k, vs in BAD.items() for v in vs])
+def test_generate_refuses_a_bad_argument(name, value):
+    with pytest.raises(shardplan.ConfigurationError) as info:
+        generate(tiny(), PROMPT, **{"max_new_tokens": 2, "do_sample": True, name: value})
+    msg = str(info.value)
+    shown = f"{name}[{len(value) - 1}]={value[-1]!r}" if isinstance(value, list) else \
+        f"{name}={value!r}"  # a list: its bad (last) element
+    assert shown in msg and info.value.fix and "where: generate" in msg, msg
+
+
+@pytest.mark.parametrize("ids,words", [
+    (torch.tensor([1, 2, 3]), ["input_ids must be", "[3]"]),
+    (torch.zeros(2, 0, dtype=torch.long), ["input_ids must be", "[2, 0]"]),
+    (torch.zeros(2, 3), ["input_ids is torch.float32"]),
+    (torch.ones(2, 3, dtype=torch.bool), ["input_ids is torch.bool"]),
+    ([[1, 2, 3]], ["input_ids is list"]),
+    (torch.tensor([[1, 96, 2]]), ["id 96", "[0, 96)"]),
+    (torch.tensor([[1, -3, 2]]), ["id -3", "[0, 96)"]),
+], ids=["1-D", "empty prompt", "float", "bool", "list", "id too large", "id negative"])
+def test_generate_refuses_bad_input_ids(ids, words):
+    with pytest.raises(shardplan.ConfigurationError) as info:
+        generate(tiny(), ids, max_new_tokens=2)
+    assert all(w in str(info.value) for w in words) and info.value.fix, str(info.value)
+
+
+def test_generate_refuses_a_mask_of_another_shape():
+    with pytest.raises(shardplan.ConfigurationError, match=r"attention_mask is \[2, 2\], "
+                                                           r"input_ids \[2, 3\]"):
+        generate(tiny(), PROMPT, max_new_tokens=2, attention_mask=torch.ones(2, 2))
+
+
+def test_edge_values_generate():
+    """Each edge of an allowed range generates: no new tokens is the prompt; top_k=1, and
+    temperature near 0, sample the greedy tokens; top_p=1 and top_k=0 filter nothing
+    (the same draws as no filtering); temperature 0 is greedy when not sampling; an eos
+    list and a pad id at the vocabulary's last id."""
+    model = tiny()
+    greedy = generate(model, PROMPT, max_new_tokens=4)
+    assert torch.equal(generate(model, PROMPT, max_new_tokens=0), PROMPT)
+    assert torch.equal(generate(model, PROMPT, max_new_tokens=4, temperature=0), greedy)
+
+    def sampled(**kw):
+        return generate(model, PROMPT, max_new_tokens=4, do_sample=True,
+                        generator=torch.Generator().manual_seed(5), **kw)
+    assert torch.equal(sampled(top_k=1), greedy)
+    assert torch.equal(sampled(temperature=1e-6), greedy)
+    plain = sampled()
+    assert not torch.equal(plain, greedy)  # the draws differ from greedy: the next lines test
+    assert torch.equal(sampled(top_p=1.0), plain) and torch.equal(sampled(top_k=0), plain)
+    assert torch.equal(sampled(top_p=1.0, top_k=96), plain)
+    first = int(greedy[0, 3])  # prompt 0 ends at its first generated token
+    ended = generate(model, PROMPT, max_new_tokens=4, eos_token_id=[95, first], pad_token_id=95)
+    assert torch.equal(ended[0, 3:], torch.tensor([first, 95, 95, 95]))

@@ -110,3 +110,60 @@ def test_fits_and_report_line():
     assert small.memory.training.fits is False and big.memory.training.fits is True
     assert "DOES NOT FIT" in small.report() and "FITS" in big.report()
     assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("141e9") == 141 * 10**9
+
+
+# --------------------------------------------------------------------------- bad arguments
+
+GOOD = dict(batch=BATCH, seq=SEQ)
+BAD = {  # argument -> values the estimate refuses (each with the others valid), before capture
+    "batch": [0, -1, 2.0, True, "4"],
+    "seq": [0, -16, 8.5, False],
+    "dp": [0, -2, 1.0, True, None],
+    "fsdp": [1, "yes", None],
+    "sequence_parallel": [1, None],
+    "recompute": [1, ["transformer.h.*"]],
+    "dtype": [torch.int8, "fp16", "float8", 16],
+    "optimizer": ["adam", "AdamW", 0],
+    "gpu_memory": [0, -5, float("nan"), True, "80XB", "", "1.2.3GB", "-5GB", "1e999GB"],
+}
+
+
+@pytest.mark.parametrize("name,value", [pytest.param(k, v, id=f"{k}={v!r}")
+                                        for k, vs in BAD.items() for v in vs])
+def test_estimate_refuses_a_bad_argument(name, value):
+    model = build("gpt-tiny", device="meta", **CFG)
+    with pytest.raises(shardplan.ConfigurationError) as info:
+        shardplan.plan(model, TP, **{**GOOD, name: value})
+    msg = str(info.value)
+    assert f"{name}={value!r}" in msg and info.value.fix and "where: plan" in msg, msg
+
+
+@pytest.mark.parametrize("kw", [dict(batch=BATCH), dict(seq=SEQ),
+                                dict(batch=BATCH, seq=SEQ, example_inputs=torch.zeros(2, 4))],
+                         ids=["batch alone", "seq alone", "batch, seq and example_inputs"])
+def test_estimate_refuses_a_shape_given_by_halves_or_twice(kw):
+    model = build("gpt-tiny", device="meta", **CFG)
+    with pytest.raises(shardplan.ConfigurationError, match="batch=.*seq=") as info:
+        shardplan.plan(model, TP, **kw)
+    assert "pass both batch and seq" in info.value.fix
+
+
+def test_estimate_reads_names_and_sizes_at_the_edges():
+    """batch 1, sequence 1; a dtype by name and gpu_memory as a size are the estimate of
+    the dtype and the bytes they name."""
+    model = build("gpt-tiny", device="meta", **CFG)
+    named = shardplan.plan(model, TP, batch=1, seq=1, dtype="bfloat16",
+                           gpu_memory="80GB").memory.training
+    given = shardplan.plan(model, TP, batch=1, seq=1, dtype=torch.bfloat16,
+                           gpu_memory=80 * 10**9).memory.training
+    assert named == given and named.gpu_memory == 80 * 10**9 and named.dtype == "bfloat16"
+    assert 0 < named.activations < shardplan.plan(model, TP, batch=2, seq=1,
+                                                  dtype="bfloat16").memory.training.activations
+
+
+def test_cli_prints_a_bad_size_as_the_error(capsys):
+    from shardplan import cli
+    assert cli.main(["plan", "gpt-tiny", "--tp", "2", "--batch", "2", "--seq", "8",
+                     "--gpu-memory", "80XB"]) == 2
+    err = capsys.readouterr().err
+    assert "ConfigurationError: gpu_memory='80XB' is not a memory size" in err and "GiB" in err

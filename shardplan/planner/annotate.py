@@ -307,7 +307,7 @@ def _settle(gm, dims, rules, strict, sequence_parallel, keep, whole, gather) -> 
     ann.warnings = [f"{describe(n)} kept replicated: {why}"
                     for n, (why, warn) in disabled.items() if warn]
     if sequence_parallel:
-        ann.warnings += _sequence_fallbacks(ann)
+        ann.warnings += _sequence_warnings(ann)
     else:
         ann.passed = pass_partials(ann.layouts, ann.outcomes, Context(dims, rules))
     ann.transitions = _transitions(ann)
@@ -784,16 +784,25 @@ def _attended(gm: fx.GraphModule) -> set:
 
 # --------------------------------------------------------------------------- transitions
 
-def _sequence_fallbacks(ann: Annotation) -> list[str]:
-    """A partial result without a sequence dim of its own (batch and sequence flattened
-    into one dim, as HF's Conv1D does) is all-reduced, and sliced onto the tokens after,
-    instead of reduce-scattered: one warning per such site."""
+def _sequence_warnings(ann: Annotation) -> list[str]:
+    """One warning per partial result without a sequence dim of its own (batch and
+    sequence flattened into one dim, as HF's Conv1D does): it is all-reduced, and sliced
+    onto the tokens after, instead of reduce-scattered. Where no partial result is
+    reduce-scattered at all, one warning instead: sequence parallelism has no effect."""
+    unscattered = [n for n, o in ann.outcomes.items()
+                   if o.role in (Role.ROW, Role.PARTIAL) and isinstance(o.out, Partial)
+                   and n not in ann.seq_dims and n not in ann.deferred]
+    if not ann.scattered and not ann.deferred:
+        why = (f"no partial result has a dim that is the sequence alone (e.g. "
+               f"{describe(unscattered[0])}, output {list(message(unscattered[0]))})"
+               if unscattered else "no region ends in a partial sum")
+        return [f"sequence_parallel=True has no effect on this model: {why}, so no activation "
+                "is held on 1/tp of the sequence and the plan is the one without sequence "
+                "parallelism; pass sequence_parallel=False"]
     return [f"{describe(n)}: sequence parallel falls back to all-reduce and slice: its "
             f"output {list(message(n))} has no dim that is the sequence alone (a rank's "
             "tokens are not contiguous in a flattened batch x sequence dim)"
-            for n, o in ann.outcomes.items()
-            if o.role in (Role.ROW, Role.PARTIAL) and isinstance(o.out, Partial)
-            and n not in ann.seq_dims and n not in ann.deferred]
+            for n in unscattered]
 
 
 def _keeps_shard(node: fx.Node, path) -> bool:

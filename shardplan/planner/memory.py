@@ -44,12 +44,16 @@ from .capture import Captured, module_of
 from .recompute import block_names
 from .rewrite import bind, rewrite
 from .shards import local_shape
+from .. import arguments
 from ..errors import ConfigurationError
 from ..layouts import Replicate
 from ..runtime.comm import Group
 
 #: optimizer state bytes per parameter, besides an fp32 master copy under mixed precision
 OPTIMIZER_BYTES = {"adamw": 8, "sgd": 0}
+#: the dtypes the estimate counts parameters and activations in, by name
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "float64": torch.float64}
 
 
 class MemoryEstimate(BaseModel):
@@ -86,10 +90,8 @@ def estimate(plan, model: nn.Module, captured: Captured, ann: Annotation, args, 
              dtype: torch.dtype | None, dp_replicate: int, dp_shard: int, fsdp: bool,
              sequence_parallel: bool,
              recompute: bool, optimizer: str | None, gpu_memory: int | None) -> MemoryEstimate:
-    """The per-rank memory of training ``plan``'s model (see the module docstring)."""
-    if optimizer is not None and optimizer not in OPTIMIZER_BYTES:
-        raise ConfigurationError(f"optimizer={optimizer!r} is not one shardplan estimates",
-                                 fix=f"pass one of {sorted(OPTIMIZER_BYTES)} or None")
+    """The per-rank memory of training ``plan``'s model (see the module docstring); the
+    arguments as ``check_estimate_arguments`` returns them."""
     dtype = dtype or next(model.parameters()).dtype
     params, grads, state, transient = state_bytes(plan, dtype, dp_shard=dp_shard, fsdp=fsdp,
                                                   optimizer=optimizer)
@@ -105,6 +107,48 @@ def estimate(plan, model: nn.Module, captured: Captured, ann: Annotation, args, 
         activations=activations, activations_per_block=max(per_block, default=0),
         activations_outside_blocks=outside, blocks=n_blocks, peak=peak, gpu_memory=gpu_memory,
         fits=None if gpu_memory is None else peak <= gpu_memory)
+
+
+def check_estimate_arguments(*, batch, seq, examples: bool, dp, dp_replicate, dp_shard, fsdp,
+                             sequence_parallel,
+                             recompute, dtype, optimizer,
+                             gpu_memory) -> tuple[torch.dtype | None, int | None]:
+    """``(dtype, gpu_memory in bytes)`` of ``plan``'s estimate arguments, a dtype's name
+    and a size such as "80GB" read; a ``ConfigurationError`` naming the first bad one.
+
+    ``batch`` and ``seq`` positive ints, given together and without example inputs
+    (``examples``); ``dp``, ``dp_replicate``, ``dp_shard`` positive ints or None; ``fsdp``, ``sequence_parallel`` and
+    ``recompute`` True or False; ``dtype`` one of ``DTYPES`` (or its name) or None;
+    ``optimizer`` one of ``OPTIMIZER_BYTES`` or None; ``gpu_memory`` a positive number of
+    bytes, a size (``parse_bytes``) or None.
+    """
+    for name, value in (("batch", batch), ("seq", seq)):
+        arguments.integer(name, value, 1, where=_WHERE, optional=True)
+    if (batch is None) != (seq is None) or (batch is not None and examples):
+        given = f"batch={batch!r}, seq={seq!r}" + (" and example_inputs" if examples else "")
+        raise ConfigurationError(
+            f"{given}: the estimate is of token ids of batch x seq, or of the example inputs",
+            where=_WHERE, fix="pass both batch and seq (and no example_inputs), or "
+                              "example_inputs shaped as one step's batch")
+    for name, value in (("dp", dp), ("dp_replicate", dp_replicate), ("dp_shard", dp_shard)):
+        arguments.integer(name, value, 1, where=_WHERE, optional=True)
+    for name, value in (("fsdp", fsdp), ("sequence_parallel", sequence_parallel),
+                        ("recompute", recompute)):
+        arguments.flag(name, value, where=_WHERE)
+    if dtype is not None and dtype not in DTYPES.values():  # a name, or refused
+        arguments.choice("dtype", dtype, list(DTYPES), where=_WHERE,
+                         fix=f"pass dtype as one of {', '.join(map(str, DTYPES.values()))}, "
+                             "its name, or None (the model's)")
+        dtype = DTYPES[dtype]
+    arguments.choice("optimizer", optimizer, list(OPTIMIZER_BYTES), where=_WHERE, optional=True)
+    if isinstance(gpu_memory, str):
+        gpu_memory = parse_bytes(gpu_memory, "gpu_memory")
+    arguments.number("gpu_memory", gpu_memory, 0, where=_WHERE, low_open=True, optional=True,
+                     fix="pass gpu_memory as bytes or a size such as '80GB' or '141GiB'")
+    return dtype, None if gpu_memory is None else int(gpu_memory)
+
+
+_WHERE = "plan"
 
 
 def state_bytes(plan, dtype: torch.dtype, *, dp_shard: int, fsdp: bool,
@@ -283,12 +327,20 @@ def _tensors(value) -> list[torch.Tensor]:
     return []
 
 
-def parse_bytes(text: str) -> int:
-    """``"80GB"``, ``"80 GiB"``, ``"141e9"`` -> bytes (GB = 10^9, GiB = 2^30)."""
+def parse_bytes(text: str, name: str = "size") -> int:
+    """``"80GB"``, ``"80 GiB"``, ``"141e9"`` -> bytes (GB = 10^9, GiB = 2^30); a
+    ``ConfigurationError`` naming the argument ``name`` for anything else."""
     m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]i?B?|B)?\s*", text, re.IGNORECASE)
-    if not m:
-        raise ValueError(f"not a memory size: {text!r} (e.g. 80GB, 141GiB)")
+    try:
+        number = float(m.group(1)) if m else None
+    except ValueError:
+        number = None
+    if number is None or not math.isfinite(number):
+        raise ConfigurationError(f"{name}={text!r} is not a memory size", where=_WHERE,
+                                 fix="pass a number of bytes with an optional unit: B, KB, MB, "
+                                     "GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (of 1024), "
+                                     "e.g. 80GB or 141GiB")
     unit = (m.group(2) or "B").upper().rstrip("B") or "B"
     scale = {"B": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
              "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}[unit]
-    return int(float(m.group(1)) * scale)
+    return int(number * scale)

@@ -28,7 +28,7 @@ from .annotate import Annotation, annotate, block_of, owner_name
 from ..errors import CaptureError
 from .inputs import check_dtypes, check_model_arg, example_args
 from .kinds import Role
-from .memory import MemoryEstimate, estimate
+from .memory import MemoryEstimate, check_estimate_arguments, estimate
 from ..layouts import MeshDim, MeshLayout, MeshSizes, Replicate, Shard
 from ..parallel_dims import ParallelDims
 from .rules import RuleSet, load_rules
@@ -198,8 +198,8 @@ def plan(model: nn.Module, tp: int, *, example_inputs=None, rules="megatron",
          strict: bool = False, sequence_parallel: bool = False, batch: int | None = None,
          seq: int | None = None, dp: int | None = None, dp_replicate: int | None = None,
          dp_shard: int | None = None, fsdp: bool = False, recompute: bool = False,
-         dtype: torch.dtype | None = None, optimizer: str | None = "adamw",
-         gpu_memory: int | None = None) -> Plan:
+         dtype: torch.dtype | str | None = None, optimizer: str | None = "adamw",
+         gpu_memory: int | str | None = None) -> Plan:
     """The plan for ``model`` at ``tp``, with no process group and no real memory.
 
     Lists of identical blocks that run one after another are captured with
@@ -214,17 +214,24 @@ def plan(model: nn.Module, tp: int, *, example_inputs=None, rules="megatron",
     replicas of ``dp_shard`` FSDP2 shards (HSDP when both are > 1; ``fsdp``
     with dp_shard 1 is FSDP2 over one rank), or the ``dp`` of before HSDP
     (shards with ``fsdp``, else replicas), ``recompute`` per block, parameters and
-    activations in ``dtype`` (default: the model's), ``optimizer`` state, and
-    whether the peak fits ``gpu_memory`` bytes.
+    activations in ``dtype`` (default: the model's; a dtype or its name), ``optimizer``
+    state (``"adamw"``, ``"sgd"`` or None), and whether the peak fits ``gpu_memory``
+    (bytes, or a size such as ``"80GB"``). A bad value of any of them raises
+    ``ConfigurationError`` (``memory.check_estimate_arguments``) before anything is captured.
     """
     check_model_arg(model, tp)
+    dtype, gpu_memory = check_estimate_arguments(
+        batch=batch, seq=seq, examples=example_inputs is not None, dp=dp,
+        dp_replicate=dp_replicate, dp_shard=dp_shard, fsdp=fsdp,
+        sequence_parallel=sequence_parallel, recompute=recompute, dtype=dtype,
+        optimizer=optimizer, gpu_memory=gpu_memory)
     sizes = ParallelDims.data_parallel(dp=dp, dp_replicate=dp_replicate, dp_shard=dp_shard,
                                        fsdp=fsdp)
     dims = ParallelDims(tp=tp, dp_replicate=sizes["dp_replicate"] or 1,
                         dp_shard=sizes["dp_shard"] or 1)
     fsdp = fsdp or dims.dp_shard > 1
     ruleset = load_rules(rules)
-    if example_inputs is None and batch is not None and seq is not None:
+    if batch is not None:
         example_inputs = token_batch(model, batch, seq)
     args, kwargs = example_args(model, example_inputs)
     captured = _capture_stamped(model, args, kwargs)
@@ -321,7 +328,7 @@ def build_plan(model: nn.Module, captured: Captured, ann: Annotation, ruleset: R
                 warnings=list(ann.warnings),
                 memory=Memory(param_bytes_per_rank=per_rank, param_bytes_unsharded=unsharded),
                 repeated={k: list(v) for k, v in captured.truncated.items()},
-                sequence_parallel=bool(ann.seq_dims), choices=choices)
+                sequence_parallel=bool(ann.scattered or ann.deferred), choices=choices)
 
 
 def _choice(c) -> ChoiceEntry:
