@@ -17,6 +17,7 @@ import os
 import sysconfig
 import threading
 import traceback
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -313,3 +314,21 @@ def module_of(node: fx.Node) -> str:
 def _clean_fqn(fqn: str) -> str:
     # export spells list indices as "h.0" or "L['self'].h[0]"-like in some versions
     return fqn.replace("[", ".").replace("]", "").replace("'", "")
+
+
+# id of each live plan made by ``plan()`` -> (model ref, args, kwargs, Captured) it was made
+# from, dropped with the plan (not part of it: not compared, copied or serialized)
+_PLANNED: dict[int, tuple] = {}
+
+
+def remember_capture(p, model: nn.Module, args: tuple, kwargs: dict, captured: Captured) -> None:
+    """Keep what plan ``p`` was planned from, for as long as ``p`` lives."""
+    _PLANNED[id(p)] = (weakref.ref(model), args, kwargs, captured)
+    weakref.finalize(p, _PLANNED.pop, id(p), None)
+
+
+def planned_capture(p) -> tuple | None:
+    """``(model ref, args, kwargs, Captured)`` that plan ``p`` was planned from, while ``p``
+    lives (``None`` for a copy or a loaded plan): the exports' check of the model's own code
+    reads it instead of capturing again (``report.export.ModelCode``)."""
+    return _PLANNED.get(id(p))

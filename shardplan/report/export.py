@@ -395,8 +395,7 @@ class ModelCode:
         """The capture as it is, annotated like ``plan`` (its baseline: a plan with a
         distributed reduction is refused before this is read)."""
         from ..planner.annotate import annotate
-        from ..planner.capture import capture
-        from ..planner.plan import planned_capture
+        from ..planner.capture import capture, planned_capture
         from ..planner.rules import load_rules
 
         model = self.clone
