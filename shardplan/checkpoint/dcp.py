@@ -48,7 +48,7 @@ from ..errors import CheckpointError
 from ..layouts import Shard
 from ..runtime.comm import TorchGroup
 from ..runtime.consistency import agree
-from .atomic import _exchange, fsync_dir
+from .atomic import fsync_dir, swap_paths
 from .entries import Entry, entries_of
 
 __all__ = ["save_dcp", "load_dcp", "Chunks"]
@@ -281,7 +281,7 @@ def _commit(tmp: Path, path: Path) -> None:
     fsync_dir(tmp)
     if not path.exists():
         os.rename(tmp, path)
-    elif _exchange(tmp, path):
+    elif swap_paths(tmp, path):
         shutil.rmtree(tmp)  # now the previous checkpoint
     else:
         old = path.parent / f".{path.name}.old"
