@@ -437,7 +437,7 @@ class ModelCode:
 def _same_shapes(a, b) -> bool:
     """Whether two ``(args, kwargs)`` hold the same structure, tensor shapes and dtypes, and
     other values."""
-    import torch.utils._pytree as pytree
+    from ..torch_compat import pytree
 
     (la, sa), (lb, sb) = pytree.tree_flatten(a), pytree.tree_flatten(b)
     key = lambda x: (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x  # noqa: E731

@@ -35,10 +35,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 
 from ..errors import CommunicationError, ConfigurationError
 from . import ledger
+from ..torch_compat import funcol
 
 
 class Group:
