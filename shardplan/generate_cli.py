@@ -76,7 +76,7 @@ def _on_rank(group, args, ids: torch.Tensor) -> torch.Tensor:
 def _sharded(group, args, ids):
     import shardplan
     from .checkpoint import load_full_state_dict, load_pretrained, parameters_on_meta
-    from .cli import build_target
+    from .targets import build_target
     if group.size != args.tp:
         raise TargetError(f"--tp {args.tp} but {group.size} ranks are running")
     if Path(args.target).is_dir():

@@ -13,8 +13,6 @@ import warnings
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils import _pytree as pytree
 
 from . import arguments
 from .planner.capture import PLANNING_LOCK, Captured, capture
@@ -35,6 +33,7 @@ from .runtime.overlap import OverlapCollectives
 from .runtime.passes import PostGradPasses
 from .runtime.random import tracker_for
 from .runtime.region_random import DRAWS
+from .torch_compat import FakeTensor, pytree, set_child
 from .planner.shards import local_tensors
 
 
@@ -78,9 +77,9 @@ class ShardedModule(nn.Module):
             gm = self._finish(ann, captured, args, kwargs)
         for name, child in gm.named_children():
             if not name.startswith(("tp_", "_", "submod_")):
-                # into the registry directly: a child named like one of our attributes
+                # past register_module: a child named like one of our attributes
                 # (T5's ``decoder``) is still listed, and the attribute still wins
-                self._modules[name] = child
+                set_child(self, name, child)
         for name, t in gm._parameters.items():
             self.register_parameter(name, t)
         if self.fsdp_blocks:
@@ -302,7 +301,7 @@ class ShardedModule(nn.Module):
         for gm in self.graphs:
             bind(gm, self._tensors)
         for name, t in self._last[0]._parameters.items():
-            self._parameters[name] = t
+            self.register_parameter(name, t)
 
     def _check_materialized(self, args, kwargs) -> None:
         if not any(t.is_meta for t in self._tensors.values()):

@@ -16,10 +16,8 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from pydantic import BaseModel
-from torch.fx import _pytree as fx_pytree
-from torch.utils import _pytree as pytree
 
-from .planner.capture import capture, module_of, source_of
+from .planner.capture import IN_SPEC, capture, module_of, source_of
 from .planner.annotate import op_name
 from .planner.inputs import check_dtypes, check_model_arg, check_token_ids, example_args
 from .layouts import Partial, Shard
@@ -27,6 +25,7 @@ from .ranks import SimulatedRanks
 from .planner.rules import load_rules
 from .planner.token_order import GATHERED_ORDER
 from .sharded import ShardedModule
+from .torch_compat import pytree, tree_flatten_spec
 
 
 class Difference(BaseModel):
@@ -199,7 +198,7 @@ class _Recorder(fx.Interpreter):
 
 
 def _replay(gm: fx.GraphModule, args, kwargs) -> dict:
-    flat = fx_pytree.tree_flatten_spec((args, kwargs), gm._in_spec)
+    flat = tree_flatten_spec((args, kwargs), gm.meta[IN_SPEC])
     rec = _Recorder(gm)
     with torch.no_grad():
         rec.run(*flat)

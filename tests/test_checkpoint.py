@@ -374,7 +374,7 @@ def test_crash_while_writing_a_rank_file_keeps_previous_checkpoint(tmp_path, mon
 
 def test_directory_swap_without_renameat2(tmp_path, monkeypatch):
     """Where an atomic exchange is unsupported: two renames, and loads find the old one between."""
-    monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(atomic, "swap_paths", lambda a, b: False)
     path, v1, v2 = tmp_path / "ckpt", model("gpt"), model("gpt", seed=1)
     SimulatedRanks(1).run(save, "gpt", v1, path)
     SimulatedRanks(1).run(save, "gpt", v2, path)

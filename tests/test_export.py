@@ -230,7 +230,7 @@ def test_hf_exports_that_would_run_wrong_are_refused_naming_the_line():
 def test_both_exports_read_the_plans_capture_and_one_cut_capture():
     """One ``ModelCode`` serves both exports: the capture as it is is the plan's own, one
     cut capture serves both targets, and the HF export is the one made without sharing."""
-    from shardplan.planner.plan import planned_capture
+    from shardplan.planner.capture import planned_capture
     from shardplan.report.export import ModelCode
 
     model = _hf("llama", "meta")

@@ -75,7 +75,7 @@ def commit_dir(tmp: Path, path: Path, index: dict) -> None:
     fsync_dir(tmp)
     if not path.exists():
         os.rename(tmp, path)
-    elif _exchange(tmp, path):
+    elif swap_paths(tmp, path):
         shutil.rmtree(tmp)  # now the previous checkpoint
     else:  # two renames; in between, loads find the previous one under _backup_dir
         old = _backup_dir(path)
@@ -88,7 +88,7 @@ def commit_dir(tmp: Path, path: Path, index: dict) -> None:
         shutil.rmtree(_backup_dir(path))
 
 
-def _exchange(a: Path, b: Path) -> bool:
+def swap_paths(a: Path, b: Path) -> bool:
     """Swap two paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False where unsupported."""
     if not sys.platform.startswith("linux"):
         return False

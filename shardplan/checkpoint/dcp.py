@@ -38,18 +38,16 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
                                                    TensorProperties, TensorStorageMetadata)
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..errors import CheckpointError
 from ..layouts import Shard
 from ..runtime.comm import TorchGroup
 from ..runtime.consistency import agree
-from .atomic import _exchange, fsync_dir
+from .atomic import fsync_dir, swap_paths
 from .entries import Entry, entries_of
+from ..torch_compat import compute_local_shape_and_global_offset, flatten_state_dict, set_element
 
 __all__ = ["save_dcp", "load_dcp", "Chunks"]
 
@@ -281,7 +279,7 @@ def _commit(tmp: Path, path: Path) -> None:
     fsync_dir(tmp)
     if not path.exists():
         os.rename(tmp, path)
-    elif _exchange(tmp, path):
+    elif swap_paths(tmp, path):
         shutil.rmtree(tmp)  # now the previous checkpoint
     else:
         old = path.parent / f".{path.name}.old"

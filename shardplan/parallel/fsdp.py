@@ -35,6 +35,7 @@ import torch.nn as nn
 
 from ..errors import ConfigurationError
 from ..layouts import set_spec, spec_of
+from ..torch_compat import set_child, share_parameters
 
 #: the ``fully_shard`` options ``fsdp=`` may carry
 OPTIONS = ("mp_policy", "reshard_after_forward", "offload_policy")
@@ -111,8 +112,8 @@ def adopt_tree(gm: fx.GraphModule, root: nn.Module) -> None:
     sharded and gathered parameters) instead of its own copies."""
     for name in list(gm._modules):
         if name in root._modules:
-            gm._modules[name] = root._modules[name]
-    gm._parameters = root._parameters
+            set_child(gm, name, root._modules[name])
+    share_parameters(gm, root)
 
 
 def fsdp_options(fsdp) -> dict:

@@ -17,12 +17,12 @@ import os
 import sysconfig
 import threading
 import traceback
+import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
-import torch.utils._pytree as pytree
 from torch.export import Dim
 
 from ..errors import CaptureError
@@ -30,8 +30,11 @@ from .capturable import capturable
 from .input_shapes import InputShapes
 from .model_state import check_real, preserved
 from .quiet import quiet_export
+from ..torch_compat import pytree
 
 GUARDS = "_guards_fn"
+# ``gm.meta`` key of the exported program's input spec (``ep.call_spec.in_spec``)
+IN_SPEC = "shardplan_in_spec"
 # torch.export and the fake tensors it leaves in node.meta keep state that is not
 # thread-safe: capturing and planning hold this lock (simulated ranks are threads).
 PLANNING_LOCK = threading.RLock()
@@ -148,6 +151,7 @@ def _export(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule
     with _no_kv_cache(model), quiet_export():
         ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=shapes)
     gm = ep.module()
+    gm.meta[IN_SPEC] = ep.call_spec.in_spec
     return gm, InputShapes.of(gm, ep.range_constraints)
 
 
@@ -213,15 +217,16 @@ def _buffers_on_meta(model: nn.Module):
     if not any(p.is_meta for p in model.parameters()):
         yield
         return
-    saved = [(mod, name, b) for mod in model.modules() for name, b in mod._buffers.items()
-             if b is not None and not b.is_meta]
+    saved = [(mod, name, b) for mod in model.modules()
+             for name, b in mod.named_buffers(recurse=False, remove_duplicate=False)
+             if not b.is_meta]
     try:
         for mod, name, b in saved:
-            mod._buffers[name] = b.to("meta")
+            setattr(mod, name, b.to("meta"))  # a registered buffer stays one, persistence kept
         yield
     finally:
         for mod, name, b in saved:
-            mod._buffers[name] = b
+            setattr(mod, name, b)
 
 
 @contextlib.contextmanager
@@ -231,15 +236,16 @@ def _truncated(model: nn.Module):
     saved = []
     for name, mod in model.named_modules():
         if _cuttable(mod):
-            saved.append((mod, list(mod._modules.items())))
+            saved.append((mod, list(mod)))
             cut[name] = (KEPT, len(mod))
     try:
-        for mod, items in saved:
-            mod._modules = dict(items[:KEPT])
+        for mod, blocks in saved:
+            del mod[KEPT:]
         yield cut
     finally:
-        for mod, items in saved:
-            mod._modules = dict(items)
+        for mod, blocks in saved:
+            del mod[:]
+            mod.extend(blocks)
 
 
 def has_repeated_blocks(model: nn.Module) -> bool:
@@ -316,3 +322,21 @@ def module_of(node: fx.Node) -> str:
 def _clean_fqn(fqn: str) -> str:
     # export spells list indices as "h.0" or "L['self'].h[0]"-like in some versions
     return fqn.replace("[", ".").replace("]", "").replace("'", "")
+
+
+# id of each live plan made by ``plan()`` -> (model ref, args, kwargs, Captured) it was made
+# from, dropped with the plan (not part of it: not compared, copied or serialized)
+_PLANNED: dict[int, tuple] = {}
+
+
+def remember_capture(p, model: nn.Module, args: tuple, kwargs: dict, captured: Captured) -> None:
+    """Keep what plan ``p`` was planned from, for as long as ``p`` lives."""
+    _PLANNED[id(p)] = (weakref.ref(model), args, kwargs, captured)
+    weakref.finalize(p, _PLANNED.pop, id(p), None)
+
+
+def planned_capture(p) -> tuple | None:
+    """``(model ref, args, kwargs, Captured)`` that plan ``p`` was planned from, while ``p``
+    lives (``None`` for a copy or a loaded plan): the exports' check of the model's own code
+    reads it instead of capturing again (``report.export.ModelCode``)."""
+    return _PLANNED.get(id(p))

@@ -13,6 +13,7 @@ import torch
 import torch.fx as fx
 
 from .capture import module_of
+from ..torch_compat import OpOverload
 
 
 def op_name(node: fx.Node) -> str:
@@ -20,7 +21,7 @@ def op_name(node: fx.Node) -> str:
     t = node.target
     if t is operator.getitem:
         return "getitem"
-    if isinstance(t, torch._ops.OpOverload):
+    if isinstance(t, OpOverload):
         return f"aten.{t.__name__}" if t.namespace == "aten" else f"{t.namespace}.{t.__name__}"
     return getattr(t, "__name__", str(t))
 
@@ -63,7 +64,7 @@ def replace_operand(node: fx.Node, path: tuple, new) -> None:
 
 
 def schema_of(op) -> torch.FunctionSchema | None:
-    return op._schema if isinstance(op, torch._ops.OpOverload) else None
+    return op._schema if isinstance(op, OpOverload) else None
 
 
 def args_of(node: fx.Node) -> dict:

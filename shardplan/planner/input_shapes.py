@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import sympy
 import torch
 import torch.fx as fx
-from torch.utils import _pytree as pytree
+
+from ..torch_compat import pytree
 
 # a dim: its literal size, or (symbol expression, low, high or None for unbounded)
 Dim = int | tuple[str, int, int | None]

@@ -14,11 +14,11 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.fx import _pytree as fx_pytree
 
-from .capture import module_of, source_of
+from .capture import IN_SPEC, module_of, source_of
 from ..errors import CaptureError, ConfigurationError
 from ..runtime.layers import check_ids
+from ..torch_compat import tree_flatten_spec
 
 aten = torch.ops.aten
 
@@ -65,7 +65,7 @@ def check_dtypes(gm: fx.GraphModule) -> None:
 def check_token_ids(gm: fx.GraphModule, args: tuple, kwargs: dict) -> None:
     """Raise ``ConfigurationError`` if an input that indexes an embedding (or is a
     cross-entropy target) holds an id outside its rows (classes)."""
-    flat = fx_pytree.tree_flatten_spec((args, kwargs), gm._in_spec)
+    flat = tree_flatten_spec((args, kwargs), gm.meta[IN_SPEC])
     values = dict(zip([n for n in gm.graph.nodes if n.op == "placeholder"], flat))
     for node in gm.graph.nodes:
         if node.target is aten.embedding.default:

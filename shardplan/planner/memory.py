@@ -36,7 +36,6 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from pydantic import BaseModel
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from . import blocks
 from .annotate import Annotation
@@ -48,6 +47,7 @@ from .. import arguments
 from ..errors import ConfigurationError
 from ..layouts import Replicate
 from ..runtime.comm import Group
+from ..torch_compat import FakeTensorMode
 
 #: optimizer state bytes per parameter, besides an fp32 master copy under mixed precision
 OPTIMIZER_BYTES = {"adamw": 8, "sgd": 0}

@@ -17,9 +17,9 @@ import copy
 
 import torch
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensor
 
 from ..errors import CaptureError
+from ..torch_compat import FakeTensor
 
 # containers a forward may grow in place; their copies are restored (tensors in
 # them are the same objects: export never writes into the model's real tensors)

@@ -16,14 +16,14 @@ from __future__ import annotations
 import inspect
 from dataclasses import replace
 import math
-import weakref
 
 import torch
 import torch.nn as nn
 from pydantic import BaseModel, Field, computed_field, field_validator, model_validator
 
 from . import blocks
-from .capture import Captured, capture, has_repeated_blocks, module_of, source_of
+from .capture import (Captured, capture, has_repeated_blocks, module_of, remember_capture,
+                      source_of)
 from .annotate import Annotation, annotate, block_of, owner_name
 from ..errors import CaptureError
 from .inputs import check_dtypes, check_model_arg, example_args
@@ -239,8 +239,7 @@ def plan(model: nn.Module, tp: int, *, example_inputs=None, rules="megatron",
     ann = annotate(captured.gm, MeshSizes.of(tp=tp), ruleset, strict=strict,
                    sequence_parallel=sequence_parallel, cut_blocks=bool(recompute or fsdp))
     p = build_plan(model, captured, ann, ruleset, args, kwargs)
-    _CAPTURES[id(p)] = (weakref.ref(model), args, kwargs, captured)
-    weakref.finalize(p, _CAPTURES.pop, id(p), None)
+    remember_capture(p, model, args, kwargs, captured)
     if batch is not None or dims.dp > 1 or fsdp or recompute or gpu_memory is not None:
         p.memory.training = estimate(
             p, model, captured, ann, args, kwargs, dtype=dtype,
@@ -248,18 +247,6 @@ def plan(model: nn.Module, tp: int, *, example_inputs=None, rules="megatron",
             sequence_parallel=sequence_parallel, recompute=recompute, optimizer=optimizer,
             gpu_memory=gpu_memory)
     return p
-
-
-# id of each live Plan made by ``plan()`` -> (model ref, args, kwargs, Captured) it was made
-# from, dropped with the plan (not part of it: not compared, copied or serialized)
-_CAPTURES: dict[int, tuple] = {}
-
-
-def planned_capture(p: Plan) -> tuple | None:
-    """``(model ref, args, kwargs, Captured)`` that ``p`` was planned from, while ``p`` lives
-    (``None`` for a copy or a loaded plan): the exports' check of the model's own code reads
-    it instead of capturing again (``report.export.ModelCode``)."""
-    return _CAPTURES.get(id(p))
 
 
 def token_batch(model: nn.Module, batch: int, seq: int) -> tuple:

@@ -107,7 +107,7 @@ def outline_blocks(gm: fx.GraphModule, blocks: list[str],
     split.graph.set_codegen(gm.graph._codegen)  # the call's pytree in and out (gm is done)
     split.recompile()
     for name in [n for n in split._modules if not n.startswith("submod_")]:
-        del split._modules[name]  # copies holding only what the graph reads
+        delattr(split, name)  # copies holding only what the graph reads
     for name, child in gm.named_children():
         if not name.startswith("tp_"):
             split.add_module(name, child)

@@ -483,7 +483,4 @@ def bind(gm: fx.GraphModule, tensors: dict[str, torch.Tensor]) -> None:
             mod.register_parameter(leaf, t)
         else:
             mod._parameters.pop(leaf, None)
-            if leaf in mod._buffers:
-                mod._buffers[leaf] = t
-            else:
-                setattr(mod, leaf, t)
+            setattr(mod, leaf, t)  # a registered buffer stays one

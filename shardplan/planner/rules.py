@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ..errors import RuleError
 from .kinds import KINDS
+from ..torch_compat import OpOverloadPacket
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -246,7 +247,7 @@ def _check_op_name(op: str, where: str) -> None:
     if parts[0] != "aten":
         return
     packet = getattr(torch.ops.aten, parts[1], None) if len(parts) > 1 else None
-    if not isinstance(packet, torch._ops.OpOverloadPacket):
+    if not isinstance(packet, OpOverloadPacket):
         raise RuleError(f"{op} is not an ATen operator of torch {torch.__version__}", where=where,
                         fix="spell the op as torch.export writes it, aten.<op>.<overload> "
                             "(e.g. aten.linear.default), or delete the entry")

@@ -18,7 +18,7 @@ from ..layouts import Shard
 from .graph import args_of, hint, op_name, shape
 from .kinds import Context
 from .kinds.base import with_dim
-from .kinds.permute import _PERMUTATIONS
+from .kinds.permute import PERMUTATIONS
 from .reshape import map_reshape
 
 #: kinds that only view or copy their one input
@@ -59,7 +59,7 @@ def _through(node: fx.Node, lay: Shard, ctx: Context) -> Shard | None:
     if kind == "identity":
         return lay
     if kind == "permute":
-        return with_dim(lay, _PERMUTATIONS[op_name(node)](args_of(node), len(dst)).index(lay.dim))
+        return with_dim(lay, PERMUTATIONS[op_name(node)](args_of(node), len(dst)).index(lay.dim))
     if kind == "expand":
         d = lay.dim + len(dst) - len(src)
         return with_dim(lay, d) if hint(dst[d]) == hint(src[lay.dim]) else None

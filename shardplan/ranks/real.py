@@ -38,10 +38,10 @@ from multiprocessing.connection import wait
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.utils._pytree import tree_map
 
 from ..errors import CommunicationError, ConfigurationError
 from ..runtime.comm import TorchGroup
+from ..torch_compat import pytree
 from .base import RankContext, Ranks, check_world_size, grace, root_cause
 
 _HOST = "127.0.0.1"
@@ -302,7 +302,7 @@ def _worker(rank: int, n: int, port: int, timeout: float, startup: float, conn) 
             if task is None:
                 break
             fn, args = task
-            _send(conn, True, tree_map(_portable, fn(ctx, *args)))
+            _send(conn, True, pytree.tree_map(_portable, fn(ctx, *args)))
         except BaseException as e:
             try:
                 _send_error(conn, e)

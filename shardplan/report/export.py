@@ -395,8 +395,7 @@ class ModelCode:
         """The capture as it is, annotated like ``plan`` (its baseline: a plan with a
         distributed reduction is refused before this is read)."""
         from ..planner.annotate import annotate
-        from ..planner.capture import capture
-        from ..planner.plan import planned_capture
+        from ..planner.capture import capture, planned_capture
         from ..planner.rules import load_rules
 
         model = self.clone
@@ -439,7 +438,7 @@ class ModelCode:
 def _same_shapes(a, b) -> bool:
     """Whether two ``(args, kwargs)`` hold the same structure, tensor shapes and dtypes, and
     other values."""
-    import torch.utils._pytree as pytree
+    from ..torch_compat import pytree
 
     (la, sa), (lb, sb) = pytree.tree_flatten(a), pytree.tree_flatten(b)
     key = lambda x: (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x  # noqa: E731

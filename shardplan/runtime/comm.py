@@ -35,10 +35,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 
 from ..errors import CommunicationError, ConfigurationError
 from . import ledger
+from ..torch_compat import funcol
 
 
 class Group:
@@ -203,7 +203,7 @@ class Group:
             ledger.record(ledger.CommRecord(
                 kind=kind, group_size=self.size, elements=elements,
                 bytes=elements * elsize, direction=direction,
-                site=site or _caller(), op=op, peer=peer))
+                site=site or caller_site(), op=op, peer=peer))
 
     def _checked(self, fn, *args, **kwargs):
         """``fn(...)``, its backend's errors as ``CommunicationError`` (here: as raised)."""
@@ -239,7 +239,7 @@ _CURRENT = threading.local()  # .op: (kind, site) of this thread's latest collec
 def _running() -> str:
     """``"kind at site"`` for this thread's current collective (for error messages)."""
     kind, site = getattr(_CURRENT, "op", ("collective", None))
-    return f"{kind} at {site or _caller()}"
+    return f"{kind} at {site or caller_site()}"
 
 
 def _secondary(e: CommunicationError) -> CommunicationError:
@@ -248,7 +248,7 @@ def _secondary(e: CommunicationError) -> CommunicationError:
     return e
 
 
-def _caller() -> str:
+def caller_site() -> str:
     """The innermost frame outside shardplan.runtime and torch, as ``file:line``.
 
     Skipping torch's frames (``Module.__call__``, ``Function.apply``) makes the

@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
 
 from ..errors import ConfigurationError, DivisibilityError
+from ..torch_compat import is_fake
 from .comm import Group, as_group
 from .mappings import copy_to_region, gather_from_region, reduce_from_region, scatter_to_region
 

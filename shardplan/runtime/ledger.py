@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
+from ..torch_compat import current_graph_task_id
+
 _local = threading.local()
 
 
@@ -97,7 +99,7 @@ def traced(t: torch.Tensor, kind: str, group_size: int, factor: int, direction: 
     ``element_size`` bytes (default: ``t``'s). A custom op with a side effect: a
     compiled graph keeps it and calls it on every run (identical calls are merged
     into one: say ``times``)."""
-    if direction == "backward" and torch._C._current_graph_task_id() != -1:
+    if direction == "backward" and current_graph_task_id() != -1:
         return  # a block recomputed in backward: its backward was recorded the first time
     if recording():
         elements = t.numel() * factor

@@ -27,7 +27,7 @@ from ..errors import ConfigurationError
 from . import ledger
 from .comm import Group, as_group
 from .layers import check_ids, vocab_range
-from .mappings import _site
+from .mappings import site_or_caller
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -132,7 +132,7 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tenso
         ledger.traced(target, "all_reduce", group.size, 1, "forward", site, "sum", 4,
                       1 if label_smoothing else 2)
     else:
-        site = _site(site)
+        site = site_or_caller(site)
     return _VocabParallelCrossEntropy.apply(
         logits_shard, target, group, vocab_size, ignore_index, float(label_smoothing),
         reduction, site)

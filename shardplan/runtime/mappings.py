@@ -37,12 +37,12 @@ import torch
 
 from ..errors import DivisibilityError
 from . import ledger
-from .comm import _caller, as_group
+from .comm import as_group, caller_site
 
 
-def _site(site: str | None) -> str | None:
+def site_or_caller(site: str | None) -> str | None:
     """``site``, or the caller's line when a ledger is listening (it costs a frame walk)."""
-    return site if site is not None or not ledger.recording() else _caller()
+    return site if site is not None or not ledger.recording() else caller_site()
 
 
 def _own_slice(t: torch.Tensor, group, dim: int) -> torch.Tensor:
@@ -126,7 +126,7 @@ def _apply(fn, x: torch.Tensor, group, site: str | None, records, *args) -> torc
     ``(kind, direction, x is one rank's part)`` each."""
     group = as_group(group)
     if not torch.compiler.is_dynamo_compiling():
-        return fn.apply(x, group, *args, _site(site))
+        return fn.apply(x, group, *args, site_or_caller(site))
     site = site or "compiled"  # no frame walk in a traced graph
     for kind, direction, per_rank in records:
         if direction == "forward" or (x.requires_grad and torch.is_grad_enabled()):
@@ -156,7 +156,7 @@ def max_over_ranks(x: torch.Tensor, group, *, site: str | None = None) -> torch.
                          "would need the ranks' argmax; detach it first")
     if torch.compiler.is_dynamo_compiling():
         ledger.traced(x, "all_reduce", group.size, 1, "forward", site or "compiled", "max")
-    return group.all_reduce(x, "max", direction="forward", site=_site(site))
+    return group.all_reduce(x, "max", direction="forward", site=site_or_caller(site))
 
 
 def scatter_to_region(x: torch.Tensor, group, *, site: str | None = None) -> torch.Tensor:
@@ -251,7 +251,7 @@ def linears_on_gathered_sequence(x: torch.Tensor | None, shard: torch.Tensor, we
         raise ValueError("stacked: the linears must gather the shard themselves (x=None)")
     group = as_group(group)
     if not torch.compiler.is_dynamo_compiling():
-        return _LinearsOnGatheredSequence.apply(x, shard, group, dim, stacked, _site(site),
+        return _LinearsOnGatheredSequence.apply(x, shard, group, dim, stacked, site_or_caller(site),
                                                 *weights_and_biases)
     site = site or "compiled"  # the collectives eager records, recorded here (see _apply)
     grads = torch.is_grad_enabled()
@@ -290,7 +290,7 @@ def sum_gradients(tensors, group, *, site: str | None = None) -> tuple:
             ledger.traced(tensors[0].new_empty(sum(t.numel() for t in tensors)), "all_reduce",
                           group.size, 1, "backward", site)
         return _SumGradients.apply(group, site, *tensors)
-    return _SumGradients.apply(group, _site(site), *tensors)
+    return _SumGradients.apply(group, site_or_caller(site), *tensors)
 
 
 f = copy_to_region

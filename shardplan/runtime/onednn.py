@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+from ..torch_compat import CustomGraphPass, get_hash_for_files, mkldnn_linear
 
 aten = torch.ops.aten
 
@@ -29,8 +30,7 @@ aten = torch.ops.aten
 def onednn_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``a @ b (+ bias)`` on oneDNN: its linear with the weight ``b.t()`` row-major (free
     when ``b`` is a transposed weight, one copy of ``b`` otherwise)."""
-    return torch.ops.mkldnn._linear_pointwise(a.contiguous(), b.t().contiguous(), bias,
-                                              "none", [], "")
+    return mkldnn_linear(a.contiguous(), b.t().contiguous(), bias, "none", [], "")
 
 
 @onednn_mm.register_fake

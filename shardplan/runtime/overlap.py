@@ -16,15 +16,13 @@ still issued in one order on all ranks.
 
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-_WAIT = torch.ops._c10d_functional.wait_tensor.default
+from ..torch_compat import WAIT_TENSOR as _WAIT, CustomGraphPass, OpOverload, get_hash_for_files
 
 
 def _is_collective(node: fx.Node) -> bool:
-    return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+    return (node.op == "call_function" and isinstance(node.target, OpOverload)
             and node.target.namespace == "_c10d_functional" and node.target is not _WAIT)
 
 

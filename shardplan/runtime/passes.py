@@ -7,7 +7,8 @@ from __future__ import annotations
 import hashlib
 
 import torch.fx as fx
-from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from ..torch_compat import CustomGraphPass
 
 
 class PostGradPasses(CustomGraphPass):

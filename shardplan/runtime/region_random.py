@@ -24,6 +24,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ..torch_compat import safe_softmax
+
 
 @torch.library.custom_op("shardplan::model_parallel_noise", mutates_args=("state",))
 def model_parallel_noise(state: torch.Tensor, like: torch.Tensor, shape: Sequence[int],
@@ -92,7 +94,7 @@ def attention(state: torch.Tensor, query, key, value, attn_mask=None, dropout_p:
     if attn_mask is not None:
         scores = (scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
                   else scores + attn_mask)
-    probs = torch.ops.aten._safe_softmax(scores, -1)
+    probs = safe_softmax(scores, -1)
     return (probs * model_parallel_noise(state, probs.detach(), probs.shape, dropout_p)) @ value
 
 

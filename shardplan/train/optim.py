@@ -51,11 +51,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..errors import ConfigurationError
 from ..layouts import MeshDim, Shard, spec_of
 from ..runtime.comm import TorchGroup
+from ..torch_compat import FusedInfCheck, found_inf_per_device, scale_device
 
 __all__ = ["build_optimizer", "param_groups", "lr_schedule", "cosine_scheduler",
            "clip_grad_norm_", "average_gradients", "grad_norm", "TPGradScaler"]
@@ -180,11 +180,11 @@ def average_gradients(params: Iterable[torch.Tensor], dp_group) -> None:
                                      fix="use dense embeddings (sparse=False)")
         buckets.setdefault((g.dtype, g.device), []).append(g)
     for bucket in buckets.values():
-        flat = _flatten_dense_tensors(bucket)
+        flat = torch.cat([g.reshape(-1) for g in bucket])
         flat = _all_reduce(flat, dp_group, "sum", "data-parallel gradients", "backward")
         flat.div_(size)
-        for g, avg in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-            g.copy_(avg)
+        for g, avg in zip(bucket, flat.split([g.numel() for g in bucket])):
+            g.copy_(avg.view_as(g))
 
 
 def _size(group) -> int:
@@ -320,7 +320,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float = 1.0, *, dp_group=None,
 # fp16 loss scaling that agrees across ranks
 # --------------------------------------------------------------------------
 
-class TPGradScaler(torch.amp.GradScaler):
+class TPGradScaler(FusedInfCheck, torch.amp.GradScaler):
     """``torch.amp.GradScaler`` whose inf/nan check is agreed over ``group``.
 
     Torch checks only this rank's gradients. Under tensor parallelism they are
@@ -334,7 +334,9 @@ class TPGradScaler(torch.amp.GradScaler):
     the default group (the whole world: TP ranks must agree, and agreeing
     over data-parallel replicas too costs nothing more). The flag lives on
     the scaler's device (``"cuda"`` for NCCL, ``"cpu"`` for gloo); the
-    scaling, growth and back-off are torch's.
+    scaling, growth and back-off are torch's. (torch's ``ShardedGradScaler``
+    agrees in ``unscale_`` only, not for an optimizer that unscales itself,
+    and over a torch process group only.)
     """
 
     def __init__(self, device: str = "cuda", *, group=None, **kwargs):
@@ -349,17 +351,14 @@ class TPGradScaler(torch.amp.GradScaler):
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         super().unscale_(optimizer)
         if self.is_enabled():
-            self._agree(optimizer)
+            self.agree_inf(optimizer)
 
-    def _check_inf_per_device(self, optimizer):
-        # the check torch runs instead of unscale_ for optimizers that unscale
-        # themselves (fused AdamW)
-        super()._check_inf_per_device(optimizer)
-        return self._agree(optimizer)
-
-    def _agree(self, optimizer) -> dict:
-        found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-        flag = torch.zeros(1, dtype=torch.float32, device=self._scale.device)
+    def agree_inf(self, optimizer) -> dict:
+        """Every rank's found-inf flags for ``optimizer`` set to their maximum over
+        ``group``; also after the check ``step`` runs instead of ``unscale_`` for an
+        optimizer that unscales itself (fused AdamW: ``FusedInfCheck``)."""
+        found = found_inf_per_device(self, optimizer)
+        flag = torch.zeros(1, dtype=torch.float32, device=scale_device(self))
         for f in found.values():
             flag += f.to(flag.device)
         flag = _all_reduce(flag, self.group, "max", "loss-scaler overflow check")
@@ -374,7 +373,7 @@ class TPGradScaler(torch.amp.GradScaler):
         (after ``unscale_``, before ``update``): then ``step`` skips everywhere."""
         if not self.is_enabled():
             return False
-        found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        found = found_inf_per_device(self, optimizer)
         if not found:
             raise ConfigurationError("found_inf() outside an iteration's unscale_() .. update()",
                                      fix="call scaler.unscale_(optimizer) first")

@@ -22,6 +22,7 @@ import torch.fx as fx
 
 from ...layouts import MeshDim, MeshSizes, Partial, Replicate, Shard
 from ..graph import op_name
+from ...torch_compat import OpOverload
 
 R = Replicate()
 
@@ -97,7 +98,7 @@ class Kind:
     name: ClassVar[str]
     ops: ClassVar[frozenset[str]] = frozenset()  # the overloads whose arguments it reads
 
-    def reads(self, op: torch._ops.OpOverload) -> bool:
+    def reads(self, op: OpOverload) -> bool:
         """Can this kind read ``op``'s arguments? (checked when a rule file loads)"""
         return _overload_name(op) in self.ops
 

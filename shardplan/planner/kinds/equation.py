@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from ..graph import args_of, shape
 from .base import Context, Kind, Outcome, conflict, register
-from .factors import _expand_labels, factor_rule
+from .factors import expand_labels, factor_rule
 
 
 @register
@@ -23,7 +23,7 @@ class EquationKind(Kind):
 
     def rule(self, node, lays, ctx: Context) -> Outcome:
         eq = args_of(node)["equation"].replace(" ", "")
-        lab = _labels(node, eq)
+        lab = einsum_labels(node, eq)
         if lab is None:
             return conflict(node, f"einsum '{eq}': implicit output or operands not matching")
         out = factor_rule(node, lays, lab, ctx.size, partial_ok=True, shardable=None,
@@ -31,7 +31,7 @@ class EquationKind(Kind):
         return replace(out, bias=None)  # no operand is added: none moves after g
 
 
-def _labels(node, eq: str) -> dict | None:
+def einsum_labels(node, eq: str) -> dict | None:
     """Letters per operand dim (path ``(1, j)``) and ``"out"``, '...' expanded."""
     if "->" not in eq:
         return None
@@ -40,8 +40,8 @@ def _labels(node, eq: str) -> dict | None:
     tensors = node.args[1]
     if len(specs) != len(tensors):
         return None
-    lab = {(1, j): _expand_labels(s, len(shape(t))) for j, (s, t) in enumerate(zip(specs, tensors))}
-    lab["out"] = _expand_labels(out, len(shape(node)))
+    lab = {(1, j): expand_labels(s, len(shape(t))) for j, (s, t) in enumerate(zip(specs, tensors))}
+    lab["out"] = expand_labels(out, len(shape(node)))
     if any(v is None or len(v) != len(shape(node if p == "out" else tensors[p[1]]))
            for p, v in lab.items()):
         return None

@@ -59,19 +59,19 @@ def labels(node, es) -> dict | None:
     out_body = es.output.removeprefix("...")
     if rank < len(out_body):
         return None
-    out: dict = {"out": _expand_labels(es.output, rank)}
+    out: dict = {"out": expand_labels(es.output, rank)}
     batch = rank - len(out_body)
     for p, a in operands(node):
         if shape(a) is None or len(p) != 1 or p[0] >= len(es.operands):
             continue
         spec = es.operands[p[0]]
-        out[p] = _expand_labels(spec, len(shape(a)))
+        out[p] = expand_labels(spec, len(shape(a)))
         if out[p] is None or len(shape(a)) - len(spec.removeprefix("...")) > batch:
             return None
     return out if out["out"] is not None else None
 
 
-def _expand_labels(spec: str, rank: int) -> list[str] | None:
+def expand_labels(spec: str, rank: int) -> list[str] | None:
     """Letters for ``rank`` dims: '...' as ".n" … ".1"; fewer dims take the last letters."""
     body = spec.removeprefix("...")
     if rank <= len(body):

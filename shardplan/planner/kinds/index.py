@@ -22,6 +22,7 @@ import torch.fx as fx
 
 from ..graph import args_of, hint, op_name, operands, shape
 from ...layouts import Partial, Shard
+from ...torch_compat import FakeTensor
 from .base import R, Context, Kind, Outcome, conflict, cumsum, register, with_dim
 
 
@@ -111,6 +112,6 @@ def constant_index(node) -> list[int] | None:
     except AttributeError:
         return None
     if not isinstance(t, torch.Tensor) or t.is_meta or t.is_floating_point() or t.dim() != 1 \
-            or isinstance(t, torch._subclasses.FakeTensor):
+            or isinstance(t, FakeTensor):
         return None
     return [int(v) for v in t.tolist()]

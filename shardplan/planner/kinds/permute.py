@@ -17,7 +17,7 @@ def _transpose(args, rank):
 
 
 # each overload -> the permutation its arguments describe (output dim i = input dim perm[i])
-_PERMUTATIONS = {
+PERMUTATIONS = {
     "aten.transpose.int": _transpose,
     "aten.permute.default": lambda args, rank: [d % rank for d in args["dims"]],
     "aten.t.default": lambda args, rank: list(range(rank))[::-1],
@@ -28,11 +28,11 @@ _PERMUTATIONS = {
 @register
 class PermuteKind(Kind):
     name = "permute"
-    ops = frozenset(_PERMUTATIONS)
+    ops = frozenset(PERMUTATIONS)
 
     def rule(self, node, lays, ctx: Context) -> Outcome:
         lay = lays[(0,)]
-        perm = _PERMUTATIONS[op_name(node)](args_of(node), len(shape(node)))
+        perm = PERMUTATIONS[op_name(node)](args_of(node), len(shape(node)))
         return Outcome(with_dim(lay, perm.index(lay.dim)), rule="permute")
 
 
@@ -51,8 +51,8 @@ def viewed_parameter(node: fx.Node) -> tuple[fx.Node, list] | None:
     src = experts[0] if experts else src
     if src.op != "get_attr":
         return None
-    if op_name(node) in _PERMUTATIONS:
-        return src, [dims[d] for d in _PERMUTATIONS[op_name(node)](args_of(node), len(shape(node)))]
+    if op_name(node) in PERMUTATIONS:
+        return src, [dims[d] for d in PERMUTATIONS[op_name(node)](args_of(node), len(shape(node)))]
     index = args_of(node).get("indices") if op_name(node) == "aten.index.Tensor" else None
     if index and len(index) == 1 and isinstance(index[0], fx.Node) and shape(index[0]):
         return src, [None] * len(shape(index[0])) + dims[1:]
@@ -71,7 +71,7 @@ def experts_view(node: fx.Node) -> tuple[fx.Node, int] | None:
     sizes = list(node.args[1]) if len(node.args) > 1 else []
     if not (isinstance(src, fx.Node) and src.op == "get_attr") or len(sizes) != 3 \
             or sizes[1] != -1 or len(shape(src)) != 2 or shape(node)[2] != shape(src)[1] \
-            or not all(op_name(u) in _PERMUTATIONS or op_name(u) == "aten.index.Tensor"
+            or not all(op_name(u) in PERMUTATIONS or op_name(u) == "aten.index.Tensor"
                        for u in node.users):
         return None
     return src, shape(node)[0]

@@ -15,8 +15,8 @@ import torch
 from ..graph import args_of, hint, is_symbolic, op_name, shape
 from ..reshape import map_reshape, reshape_groups
 from ...layouts import Shard
-from .equation import _labels as einsum_labels
-from .permute import _PERMUTATIONS
+from .equation import einsum_labels
+from .permute import PERMUTATIONS
 from .base import Conflict, Context, Kind, Outcome, conflict, cumsum, local_size, register, \
     with_dim
 from .index import constant_index
@@ -258,7 +258,7 @@ def _broadcast_later(node, d: int, ctx: Context) -> bool:
                     return True
                 frontier.append((user, e))
             elif kind == "permute":
-                frontier.append((user, _PERMUTATIONS[op_name(user)](args_of(user), len(out)).index(d)))
+                frontier.append((user, PERMUTATIONS[op_name(user)](args_of(user), len(out)).index(d)))
             elif kind == "reshape":
                 groups = reshape_groups(src, out) or []
                 frontier.extend((user, c) for (a, b), (c, e) in groups
@@ -288,8 +288,8 @@ def _cut_points(node, d: int) -> set[int]:
     out: set[int] = set()
     for user in node.users:
         name = op_name(user) if user.op == "call_function" else ""
-        if name in _PERMUTATIONS:
-            out |= _cut_points(user, _PERMUTATIONS[name](args_of(user), len(shape(user))).index(d))
+        if name in PERMUTATIONS:
+            out |= _cut_points(user, PERMUTATIONS[name](args_of(user), len(shape(user))).index(d))
         elif name == "aten.index.Tensor" and user.args[0] is node:
             idx = list(args_of(user)["indices"])
             at = constant_index(idx[d]) if d < len(idx) and idx[d] is not None else None
