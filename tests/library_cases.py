@@ -62,11 +62,12 @@ def layer_linears(model: nn.Module) -> list[str]:
             if isinstance(mod, nn.Linear) and f"{name}.".startswith(layers)]
 
 
-def assert_sharded(model: nn.Module, results) -> None:
-    """Every attention and MLP weight split, and every rank holding fewer parameters
-    than the whole model."""
+def assert_sharded(model: nn.Module, results, whole_ok: tuple[str, ...] = ()) -> None:
+    """Every attention and MLP weight split but those whose name ends in one of
+    ``whole_ok`` (K/V projections a model's head layout keeps whole), and every rank
+    holding fewer parameters than the whole model."""
     full = sum(p.numel() for p in model.parameters())
-    weights = layer_linears(model)
+    weights = [w for w in layer_linears(model) if not w.endswith(whole_ok)]
     assert weights, f"{type(model).__name__}: no linear layers found"
     for rank, r in enumerate(results):
         whole = [w for w in weights if not isinstance(r[3][w], Shard)]

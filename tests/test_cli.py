@@ -141,7 +141,7 @@ def test_bad_targets_in_process(user_module, monkeypatch, capsys):
 
 
 def test_shardplan_error_exits_2_with_where_and_fix():
-    r = run_cli("plan", "gpt-small", "--tp", "8")  # 12 heads do not divide by 8
+    r = run_cli("plan", "gpt-small", "--tp", "8", "--strict")  # 12 heads do not divide by 8
     assert r.returncode == 2
     assert r.stderr.startswith("shardplan: DivisibilityError:")
     assert "transformer.h.0.attn" in r.stderr

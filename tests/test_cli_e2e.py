@@ -200,7 +200,7 @@ def test_torchrun_resume_continues_the_uninterrupted_run(tmp_path):
     # file and both RNG streams
     lines = [line for line in out.splitlines() if STEP.match(line)]
     assert len(lines) == 4 and "tok/s" in lines[0], out
-    assert "dp 1 x tp 2" in out
+    assert "dp_replicate 1 x dp_shard 1 x tp 2" in out
     assert sorted(p.name for p in full_dir.iterdir()) == ["step-00000002", "step-00000004"]
     extra = json.loads((full_dir / "step-00000004" / "index.json").read_text())["extra"]
     assert extra["step"] == 4 and extra["data"]["tokens"] == (tmp_path / "text.txt").stat().st_size

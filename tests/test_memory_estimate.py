@@ -118,7 +118,9 @@ GOOD = dict(batch=BATCH, seq=SEQ)
 BAD = {  # argument -> values the estimate refuses (each with the others valid), before capture
     "batch": [0, -1, 2.0, True, "4"],
     "seq": [0, -16, 8.5, False],
-    "dp": [0, -2, 1.0, True, None],
+    "dp": [0, -2, 1.0, True],
+    "dp_replicate": [0, -1, 2.0, False],
+    "dp_shard": [0, -3, 1.5, True],
     "fsdp": [1, "yes", None],
     "sequence_parallel": [1, None],
     "recompute": [1, ["transformer.h.*"]],

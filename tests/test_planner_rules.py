@@ -142,19 +142,34 @@ def test_verify_catches_a_wrong_rule_and_names_the_node(tmp_path):
 
 
 def test_heads_not_divisible_names_module_line_and_fix():
+    """6 heads at tp=4: strict refuses, naming the module, the line and the tps that
+    divide; otherwise the attention stays whole (warned) and the MLP splits."""
     model = build("gpt-tiny", n_head=6, n_embd=48)
     with pytest.raises(shardplan.DivisibilityError) as e:
-        shardplan.plan(model, 4)
+        shardplan.plan(model, 4, strict=True)
     msg = str(e.value)
-    assert "transformer.h.0.attn" in msg and "gpt.py:" in msg and "tp=4" in msg and "fix:" in msg
+    assert "transformer.h.0.attn" in msg and "gpt.py:" in msg and "tp=4" in msg
+    assert "fix: choose a tp dividing 6: 2, 3, 6 (tp=4 does not)" in msg
+    p = shardplan.plan(model, 4)
+    assert p.param("transformer.h.0.attn.c_attn.weight").layout == "R"
+    assert p.param("transformer.h.0.mlp.c_fc.weight").layout == "S(0)"
+    assert any("c_attn) kept replicated: split of a sharded dim into [6, 8] does not divide "
+               "by tp=4" in w for w in p.warnings), p.warnings
 
 
 def test_kv_heads_not_dividing_tp_nor_divided_by_it():
     """12 query heads on 4 ranks need K/V heads 0,0,0 | 0,1,1 | ...: with 3 K/V heads no
-    rank can hold whole heads of its own, so this is refused rather than mis-sliced."""
+    rank can hold whole heads of its own, so K and V stay whole (never mis-sliced) and
+    the result is the unsharded model's; strict refuses."""
+    torch.manual_seed(0)
     model = build("llama-tiny", n_heads=12, n_kv_heads=3, dim=96)
     with pytest.raises(shardplan.DivisibilityError, match="layers.0.attention"):
-        shardplan.plan(model, 4)
+        shardplan.plan(model, 4, strict=True)
+    p = shardplan.plan(model, 4)
+    for name in ("wk", "wv"):
+        assert p.param(f"layers.0.attention.{name}.weight").layout == "R"
+    assert p.param("layers.0.feed_forward.w1.weight").layout == "S(0)"
+    assert shardplan.verify(model, 4).ok
 
 
 @pytest.mark.parametrize("kv,heads,tp", [(2, 4, 4), (2, 8, 8)])
@@ -198,14 +213,17 @@ def test_sdpa_mask_broadcasts_or_is_sliced_to_this_ranks_heads(tp, mask_shape):
 def test_sdpa_grouped_kv_heads_are_split_with_the_query_heads(tp, project_kv):
     """enable_gqa with 2 K/V heads for 4 query heads: at tp=2 each rank pairs its query
     heads with its K/V head (sliced when K/V are replicated). At tp=4 the K/V heads do not
-    split: projected ones are refused; with replicated ones the attention runs replicated
-    on the queries all-gathered for it (cheaper here than holding wq whole; an error
-    under strict)."""
+    split: projected ones stay whole (strict refuses); with replicated ones the attention
+    runs replicated on the queries all-gathered for it (cheaper here than holding wq
+    whole; an error under strict)."""
     torch.manual_seed(0)
     model, x = GroupedSDPA(project_kv), torch.randn(2, 5, 16)
     if tp == 4 and project_kv:
-        with pytest.raises(shardplan.DivisibilityError, match="tp=4"):
-            shardplan.plan(model, tp, example_inputs=x)
+        with pytest.raises(shardplan.LayoutError, match="scaled_dot_product_attention"):
+            shardplan.plan(model, tp, example_inputs=x, strict=True)
+        assert shardplan.verify(model, tp, example_inputs=x).ok
+        p = shardplan.plan(model, tp, example_inputs=x)
+        assert p.param("wkv.weight").layout == "R" and p.warnings
         return
     report = shardplan.verify(model, tp, example_inputs=x)
     assert report.ok, str(report)

@@ -46,6 +46,7 @@ from .kinds.factors import labels
 from .kinds.permute import experts_view, parameter_layout, viewed_parameter
 from .kinds.pieces import piece_bounds
 from .linear_chains import earlier_f, pass_partials
+from .reassociate import regroup
 from .reshape import keeps_last_dim
 from .split_params import split_parameter
 from .decompose import decomposable, decompose
@@ -85,6 +86,9 @@ class Annotation:
     # partial nodes read by an op linear in them: their sum is reduced after it (a g moved
     # on to where the tensor is smallest: an MoE layer's sum over the top-k)
     passed: set = field(default_factory=set)
+    # a sum of partial sums -> the row-parallel partials in it whose bias is added after
+    # the sum's g (a parallel-residual block's two row biases)
+    joined_biases: dict = field(default_factory=dict)
     stopped: dict = field(default_factory=dict)  # op a region stopped at -> its openers
     # op with no rule for a shard it reads (a fallback; all-gathering it would do) -> openers
     blocked: dict = field(default_factory=dict)
@@ -141,6 +145,10 @@ def annotate(gm: fx.GraphModule, dims: MeshSizes, rules: RuleSet, *, strict: boo
     whole = _reductions(gm, rules)  # names of the reductions kept whole (all, to start)
     gather = frozenset()  # names of the ops whose split operands are all-gathered
     ann = settle(gm, whole, gather)
+    for _ in gm.graph.nodes:  # x + P1 + P2 as x + (P1 + P2): one g; at most one a node
+        if sequence_parallel or not regroup(gm, ann.layouts, rules.strategy.partial_through):
+            break
+        ann = settle(gm, whole, gather)
     regions: dict = {}  # names of openers -> names of the ops that stopped them
     for node, origins in ann.stopped.items() if distribute else ():
         if _reduction(node, whole):
@@ -309,7 +317,8 @@ def _settle(gm, dims, rules, strict, sequence_parallel, keep, whole, gather) -> 
     if sequence_parallel:
         ann.warnings += _sequence_warnings(ann)
     else:
-        ann.passed = pass_partials(ann.layouts, ann.outcomes, Context(dims, rules))
+        ann.passed, ann.joined_biases = pass_partials(ann.layouts, ann.outcomes,
+                                                      Context(dims, rules))
     ann.transitions = _transitions(ann)
     return ann
 
@@ -534,6 +543,8 @@ class _Pass:
         lays = {p: self._read(a) for p, a in ins}
         if node.name in self.gather:  # the planner's gather move: the op runs on whole values
             split = [p for p, lay in lays.items() if isinstance(lay, Shard)]
+            if any(lays[p].replicas != 1 for p in split):  # parts held by groups of ranks:
+                split = []  # their gradients are summed over the group (no gather of them)
             self.gathered.update({(node, p): (lays[p], Purpose.GATHER) for p in split})
             lays = {p: R if p in split else lay for p, lay in lays.items()}
         tokens = [p for p, a in ins if isinstance(lays[p], Shard)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ..layouts import Partial, Shard
-from .graph import numel, op_name, operands
+from .graph import args_of, numel, op_name, operands
 from .kinds import Context, Outcome, Role
 
 
@@ -35,10 +35,11 @@ def _linear_in(node: fx.Node, a: fx.Node, ctx: Context) -> tuple | None:
 
 def reach(node: fx.Node, layouts: dict, outcomes: dict, ctx: Context) -> list[fx.Node]:
     """Every op after partial ``node`` that its partial sum can flow through: each the
-    one reader of the one before, linear in it, its other operands not split."""
+    one reader of the one before, linear in it, its other operands not split. A bias is
+    added after g, so past a biased ``node`` only ops that change nothing (a dropout of
+    probability 0 or not training) let it flow."""
     chain, cur = [], node
-    if outcomes[node].bias is not None:  # a bias is added after g
-        return []
+    biased = outcomes[node].bias is not None
     while True:
         users = _users(cur, ctx)
         if len(users) != 1 or users[0].op != "call_function":
@@ -48,9 +49,19 @@ def reach(node: fx.Node, layouts: dict, outcomes: dict, ctx: Context) -> list[fx
         if path is None or any(isinstance(layouts.get(b), (Shard, Partial))
                                for p, b in operands(nxt) if p != path):
             break
+        if biased and not _identity(nxt):
+            break
         chain.append(nxt)
         cur = nxt
     return chain
+
+
+def _identity(node: fx.Node) -> bool:
+    """A dropout that drops nothing: probability 0, or not training."""
+    if op_name(node) != "aten.dropout.default":
+        return False
+    args = args_of(node)
+    return args.get("p") == 0 or args.get("train") is False
 
 
 def defer_g(node: fx.Node, layouts: dict, outcomes: dict, ctx: Context) -> list[fx.Node]:
@@ -63,9 +74,10 @@ def defer_g(node: fx.Node, layouts: dict, outcomes: dict, ctx: Context) -> list[
     return chain[:sizes.index(min(sizes)) + 1]
 
 
-def pass_partials(layouts: dict, outcomes: dict, ctx: Context) -> set:
+def pass_partials(layouts: dict, outcomes: dict, ctx: Context) -> tuple[set, dict]:
     """Make every chain ``defer_g`` finds partial (in ``layouts`` and ``outcomes``); the
-    nodes whose partial sum flows on to their user, unreduced."""
+    nodes whose partial sum flows on to their user, unreduced, and each sum of partial
+    sums -> the row-parallel partials in it whose bias is added after its g."""
     passed = set()
 
     def flow(node, chain):
@@ -85,23 +97,26 @@ def pass_partials(layouts: dict, outcomes: dict, ctx: Context) -> set:
     joins: dict = {}  # sum node -> {operand path: (g node, chain to it)}
     for node in [n for n, lay in layouts.items() if isinstance(lay, Partial) and n not in passed
                  and outcomes[n].role is not Role.DISTRIBUTED]:
-        if outcomes[node].bias is not None:  # a bias is added after g
-            continue
-        chain = reach(node, layouts, outcomes, ctx)
+        chain = reach(node, layouts, outcomes, ctx)  # none past a bias: it is added after g
         end = chain[-1] if chain else node
         users = _users(end, ctx)
         if len(users) == 1 and op_name(users[0]) in ctx.rules.strategy.partial_sums:
             paths = [p for p, b in operands(users[0]) if b is end]
             if len(paths) == 1:
                 joins.setdefault(users[0], {})[paths[0]] = (node, chain)
+    biases: dict = {}
     for total, parts in joins.items():
         if len(parts) == len(operands(total)) >= 2:
             for node, chain in parts.values():
                 flow(node, [*chain, total])
             layouts[total] = Partial()
             outcomes[total] = Outcome(Partial(), rule="sum of partial sums: one g after it")
-            flow(total, defer_g(total, layouts, outcomes, ctx))
-    return passed
+            biased = [n for n, _ in parts.values() if outcomes[n].bias is not None]
+            if biased:  # their biases are added after this g, so it moves no further
+                biases[total] = biased
+            else:
+                flow(total, defer_g(total, layouts, outcomes, ctx))
+    return passed, biases
 
 
 def earlier_f(consumer: fx.Node, path: tuple, a: fx.Node, requires_grad: dict,

@@ -101,6 +101,10 @@ class _Rewriter:
         self.after: dict = {}  # annotated node -> its G (or sequence scatter) transition
         self.gathers: list[Transition] = []
         self.bias: dict = {}  # annotated view -> the bias of the partial result it views
+        # a row-parallel partial joining a sum of partial sums -> that sum; the sum -> the
+        # biases (taken out of its partials) added after its g
+        self.joined = {p: total for total, ps in ann.joined_biases.items() for p in ps}
+        self.join_bias: dict = {}
         self.fused: set = set()  # annotated linears run by the first linear sharing their input
         self.losses: dict = {}  # annotated vocab-parallel loss node -> its VOCAB_LOSS transition
         for t in ann.transitions:
@@ -156,6 +160,9 @@ class _Rewriter:
                 node = self._vocab_loss(orig, node)
             if orig in self.ann.deferred and out.bias is not None:  # added after the scatter
                 node, self.bias[self.ann.deferred[orig]] = self._strip_bias(orig, node, out)
+            if orig in self.joined:  # its bias waits for the g of the sum it joins
+                node, bias = self._strip_bias(orig, node, out)
+                self.join_bias.setdefault(self.joined[orig], []).append(bias)
             if orig in self.after:
                 self._reduce(orig, node, out, self.after[orig])
 
@@ -245,9 +252,10 @@ class _Rewriter:
         with self.graph.inserting_after(node):
             g = self.graph.call_module(mod, (node,))
         last = g
-        if bias is not None:
-            with self.graph.inserting_after(g):
-                last = self.graph.call_function(aten.add.Tensor, (g, bias))
+        for b in [bias, *self.join_bias.get(orig, [])]:
+            if b is not None:
+                with self.graph.inserting_after(last):
+                    last = self.graph.call_function(aten.add.Tensor, (last, b))
         self.reduced[orig] = last
         for u in users:
             if u is not node:
