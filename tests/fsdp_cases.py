@@ -11,6 +11,7 @@ import copy
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 import shardplan
@@ -82,13 +83,17 @@ def _steps(sharded, opt, data, mine, mesh) -> list[float]:
 
 def train_rank(ctx, model, data, fsdp=True):
     """TP x FSDP2 at (dp=2, tp=2): (losses, whether every parameter is a DTensor,
-    this rank's optimizer state elements)."""
+    this rank's optimizer state elements, the FQN of every module that is an FSDP2
+    unit, this rank's parameter elements by FQN, the TP layouts)."""
     sharded, opt, mine, mesh = _setup(model, data, 2, 2, fsdp)
     losses = _steps(sharded, opt, data, mine, mesh)
     dtensors = all(isinstance(p, DTensor) for p in sharded.parameters())
     state = sum(t.to_local().numel() if isinstance(t, DTensor) else t.numel()
                 for s in opt.state.values() for k, t in s.items() if k != "step")
-    return losses, dtensors, state
+    units = [fqn for fqn, m in sharded.named_modules() if isinstance(m, FSDPModule)]
+    elements = {n: (p.to_local() if isinstance(p, DTensor) else p).numel()
+                for n, p in sharded.named_parameters()}
+    return losses, dtensors, state, units, elements, sharded.layouts
 
 
 def save_rank(ctx, model, data, path):
