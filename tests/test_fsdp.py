@@ -32,7 +32,7 @@ def close(actual, expected, what):
         assert abs(a - b) <= RTOL * abs(b), f"{what} at step {i + 1}: {a} vs {b}"
 
 
-MODELS = {"gpt": lambda: build("gpt-tiny"), "llama": lambda: build("llama-tiny"),
+MODELS = {"gpt": lambda: hf_cases.nonzero_biases(build("gpt-tiny")), "llama": lambda: build("llama-tiny"),
           "hf-gpt2": lambda: hf_cases.build("gpt2"), "hf-llama": lambda: hf_cases.build("llama")}
 
 
