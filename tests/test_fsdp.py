@@ -44,12 +44,17 @@ def test_fsdp_trains_like_one_process(real_ranks, name):
     model = MODELS[name]()
     vocab = max(m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding))
     data = cases.batches(vocab)
-    expected, _ = cases.reference(model, data)
+    want_norms = []
+    expected, _ = cases.reference(model, data, want_norms)
+    assert min(want_norms) > 1.5 * cases.CLIP, want_norms  # clipping scales every step
     runs = real_ranks(4).run(cases.train_rank, model, data)
     unsharded = 2 * sum(p.numel() for p in model.parameters())  # AdamW: two moments
     blocks = _blocks(model)
-    for rank, (losses, dtensors, state, units, elements, layouts) in enumerate(runs):
+    for rank, (losses, dtensors, state, units, elements, layouts, norms) in enumerate(runs):
         close(losses, expected, f"rank {rank}")
+        close([before for before, _ in norms], want_norms, f"rank {rank}'s gradient norm")
+        close([after for _, after in norms], [cases.CLIP] * len(norms),
+              f"rank {rank}'s clipped gradient norm")
         assert dtensors, f"rank {rank}: not every parameter is a DTensor"
         assert state <= 0.3 * unsharded, f"rank {rank} holds {state} of {unsharded} state"
         assert units == ["", *blocks], f"rank {rank}: the FSDP2 units are {units}"
