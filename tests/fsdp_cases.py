@@ -37,8 +37,9 @@ def loss_of(model, x, y) -> torch.Tensor:
     return model(x, y)[1]
 
 
-def reference(model, data) -> tuple[list[float], dict]:
-    """One process, the unsharded model, the global batches: (losses, final state dict)."""
+def reference(model, data, norms: list | None = None) -> tuple[list[float], dict]:
+    """One process, the unsharded model, the global batches: (losses, final state dict);
+    each step's gradient norm before clipping appended to ``norms``."""
     m = copy.deepcopy(model)
     opt = torch.optim.AdamW(m.parameters(), lr=LR)
     losses = []
@@ -46,7 +47,9 @@ def reference(model, data) -> tuple[list[float], dict]:
         opt.zero_grad()
         loss = loss_of(m, x, y)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(m.parameters(), CLIP)
+        norm = torch.nn.utils.clip_grad_norm_(m.parameters(), CLIP)
+        if norms is not None:
+            norms.append(norm.item())
         opt.step()
         losses.append(loss.item())
     return losses, m.state_dict()
@@ -72,8 +75,10 @@ def _setup(model, data, dims: ParallelDims, fsdp):
     return sharded, torch.optim.AdamW(sharded.parameters(), lr=LR), mine, dims
 
 
-def _steps(sharded, opt, data, mine, dims: ParallelDims) -> list[float]:
-    """Train on ``data``; the global batch's loss per step (the mean over dp ranks)."""
+def _steps(sharded, opt, data, mine, dims: ParallelDims, norms: list | None = None) -> list[float]:
+    """Train on ``data``; the global batch's loss per step (the mean over dp ranks); each
+    step's global gradient norm before and after clipping appended to ``norms`` (the
+    second measured again over every rank's shards)."""
     losses = []
     for x, y in data:
         opt.zero_grad()
@@ -81,7 +86,9 @@ def _steps(sharded, opt, data, mine, dims: ParallelDims) -> list[float]:
         loss.backward()
         if not sharded.fsdp_blocks and dims.dp_replicate > 1:
             average_gradients(sharded.parameters(), dims.group(MeshDim.DP_REPLICATE))
-        clip_grad_norm_(sharded, CLIP)
+        norm = clip_grad_norm_(sharded, CLIP)
+        if norms is not None:
+            norms.append((norm.item(), clip_grad_norm_(sharded, None).item()))
         opt.step()
         total = loss.detach().clone()
         for group in dims.dp_groups:
@@ -108,13 +115,19 @@ def _full_parameters(sharded) -> dict[str, torch.Tensor]:
 
 def train_rank(ctx, model, data, fsdp=True):
     """TP x FSDP2 at (dp=2, tp=2): (losses, whether every parameter is a DTensor,
-    this rank's optimizer state elements)."""
+    this rank's optimizer state elements, the FQN of every module that is an FSDP2
+    unit, this rank's parameter elements by FQN, the TP layouts, each step's gradient
+    norm before and after clipping)."""
     sharded, opt, mine, dims = _setup(model, data, _dims(2, 2, fsdp), fsdp)
-    losses = _steps(sharded, opt, data, mine, dims)
+    norms = []
+    losses = _steps(sharded, opt, data, mine, dims, norms)
     dtensors = all(isinstance(p, DTensor) for p in sharded.parameters())
     state = sum(t.to_local().numel() if isinstance(t, DTensor) else t.numel()
                 for s in opt.state.values() for k, t in s.items() if k != "step")
-    return losses, dtensors, state
+    units = [fqn for fqn, m in sharded.named_modules() if isinstance(m, FSDPModule)]
+    elements = {n: (p.to_local() if isinstance(p, DTensor) else p).numel()
+                for n, p in sharded.named_parameters()}
+    return losses, dtensors, state, units, elements, sharded.layouts, norms
 
 
 def hsdp_rank(ctx, model, data, dp_replicate: int, dp_shard: int, tp: int):

@@ -1,4 +1,5 @@
-"""Hugging Face models with random weights (nothing downloaded), for the HF tests."""
+"""Hugging Face models with random weights (nothing downloaded; biases not zero), for the
+HF tests."""
 
 from __future__ import annotations
 
@@ -12,6 +13,21 @@ from shardplan.runtime.ledger import CommLedger
 from shardplan.sharded import ShardedModule
 
 VOCAB = 101  # not divisible by 2 or 4: the vocabulary gets padded
+
+
+def nonzero_biases(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """``model`` with every bias filled with small random values from a seeded generator.
+
+    The builders (HF's and shardplan's) start biases at zero, where a bias sliced from
+    another rank's range (every rank taking rank 0's part) computes as the right one.
+    (Here, not in checks.py: ``python -m tests.golden_cases`` imports this module.)
+    """
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.rsplit(".", 1)[-1] == "bias" and not p.is_meta:
+                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.1)
+    return model
 
 
 def build(kind: str, attn: str = "sdpa", layers: int = 2, heads: int = 4, kv_heads: int = 2,
@@ -33,7 +49,7 @@ def build(kind: str, attn: str = "sdpa", layers: int = 2, heads: int = 4, kv_hea
         model = tf.BertForMaskedLM(cfg)
     model.config._attn_implementation = attn
     model.config.use_cache = False
-    return model.eval()
+    return nonzero_biases(model.eval())
 
 
 def inputs(b: int = 2, t: int = 6):

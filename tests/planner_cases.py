@@ -13,16 +13,18 @@ from shardplan.runtime.ledger import CommLedger
 from shardplan.sharded import ShardedModule
 
 from checks import full_gradient
+from hf_cases import nonzero_biases
 
 
 def make_model(family: str, seed: int = 0, **cfg):
+    """A bundled GPT or Llama from ``seed``, its biases not zero (``nonzero_biases``)."""
     torch.manual_seed(seed)
     if family == "gpt":
         base = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
-        return GPT(GPTConfig(**{**base, **cfg}))
+        return nonzero_biases(GPT(GPTConfig(**{**base, **cfg})), seed)
     base = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48,
                 max_seq_len=16)
-    return Llama(LlamaConfig(**{**base, **cfg}))
+    return nonzero_biases(Llama(LlamaConfig(**{**base, **cfg})), seed)
 
 
 def batch(vocab: int, b: int, t: int, seed: int = 1):

@@ -85,13 +85,15 @@ def stacked_modules(sharded) -> list[str]:
 
 
 def real_step(ctx, name, args):
-    """The bundled model ``name`` built on this rank, one sequence-parallel step: (output,
+    """The bundled model ``name`` built on this rank (as test_sequence_parallel's
+    ``_bundled``, biases not zero), one sequence-parallel step: (output,
     loss, grads, layouts, (kind, direction, elements) of each collective, the modules run
     in the gathered token order)."""
+    from hf_cases import nonzero_biases
     from shardplan.models import build
     from shardplan.planner.capture import capture
     torch.manual_seed(0)
-    model = build(name).eval()
+    model = nonzero_biases(build(name)).eval()
     r = step(ctx, model, args, {}, capture(model, args, {}))
     return (*r[:4], [(c.kind, c.direction, c.elements) for c in r[4]], r[8])
 

@@ -23,6 +23,7 @@ import hf_cases
 import train_cases
 import shardplan
 from shardplan import ConfigurationError
+from shardplan.layouts import Shard
 from shardplan.models import build
 
 RTOL = 1e-5
@@ -33,7 +34,7 @@ def close(actual, expected, what):
         assert abs(a - b) <= RTOL * abs(b), f"{what} at step {i + 1}: {a} vs {b}"
 
 
-MODELS = {"gpt": lambda: build("gpt-tiny"), "llama": lambda: build("llama-tiny"),
+MODELS = {"gpt": lambda: hf_cases.nonzero_biases(build("gpt-tiny")), "llama": lambda: build("llama-tiny"),
           "hf-gpt2": lambda: hf_cases.build("gpt2"), "hf-llama": lambda: hf_cases.build("llama")}
 
 
@@ -45,13 +46,41 @@ def test_fsdp_trains_like_one_process(real_ranks, name):
     model = MODELS[name]()
     vocab = max(m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding))
     data = cases.batches(vocab)
-    expected, _ = cases.reference(model, data)
+    want_norms = []
+    expected, _ = cases.reference(model, data, want_norms)
+    assert min(want_norms) > 1.5 * cases.CLIP, want_norms  # clipping scales every step
     runs = real_ranks(4).run(cases.train_rank, model, data)
     unsharded = 2 * sum(p.numel() for p in model.parameters())  # AdamW: two moments
-    for rank, (losses, dtensors, state) in enumerate(runs):
+    blocks = _blocks(model)
+    for rank, (losses, dtensors, state, units, elements, layouts, norms) in enumerate(runs):
         close(losses, expected, f"rank {rank}")
+        close([before for before, _ in norms], want_norms, f"rank {rank}'s gradient norm")
+        close([after for _, after in norms], [cases.CLIP] * len(norms),
+              f"rank {rank}'s clipped gradient norm")
         assert dtensors, f"rank {rank}: not every parameter is a DTensor"
         assert state <= 0.3 * unsharded, f"rank {rank} holds {state} of {unsharded} state"
+        assert units == ["", *blocks], f"rank {rank}: the FSDP2 units are {units}"
+        want, slack = _rank_elements(model, layouts, dp=2, tp=2)
+        got = sum(elements.values())
+        assert abs(got - want) <= slack, f"rank {rank} holds {got} elements, not {want}"
+
+
+def _blocks(model) -> list[str]:
+    """The FQN of every block: each entry of the model's layer list."""
+    return [f"{name}.{i}" for name, m in model.named_modules()
+            if isinstance(m, torch.nn.ModuleList) for i in range(len(m))]
+
+
+def _rank_elements(model, layouts, dp: int, tp: int) -> tuple[float, int]:
+    """The parameter elements one rank should hold: each parameter's full elements over
+    dp (and over tp where TP splits it); and the most the padding may add or take (the
+    TP-padded vocabulary rows, FSDP2's uneven last chunk): two rows per parameter."""
+    want, slack = 0.0, 0
+    for name, p in model.named_parameters():
+        ways = dp * tp if isinstance(layouts[name], Shard) else dp
+        want += p.numel() / ways
+        slack += 2 * (p.numel() // p.shape[0])
+    return want, slack
 
 
 @pytest.mark.real

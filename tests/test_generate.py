@@ -6,8 +6,8 @@ Mistral, OPT, Gemma with one K/V head) on a left-padded batch, greedy
 (and with an eos that ends one sequence early) and seeded sampling, on
 simulated ranks at tp 2 and 4 and on real gloo ranks (one launch at tp=2: GPT-2,
 Llama, Qwen2, Mistral, OPT; one at tp=4: Llama, OPT). Each case also checks that the decode step's caches are split by
-heads (bytes per rank) and that one capture serves the prompt and every later
-token. The sharded models
+heads (bytes per rank), that one capture serves the prompt and every later
+token, and that each later token's collectives are one position wide. The sharded models
 are built from captures made once for all ranks (``captured=``), as the other
 HF tests do.
 """
@@ -27,28 +27,30 @@ from shardplan.layouts import Shard
 from shardplan.planner.capture import capture
 from shardplan.planner.rules import load_rules
 from shardplan.ranks import SimulatedRanks
+from shardplan.runtime.ledger import CommLedger
 from shardplan.sharded import ShardedModule, parallel_step
 
 pytestmark = pytest.mark.timeout(300)
 
 NEW, VOCAB, CACHE = 5, 101, 16  # 5 prompt + 5 new tokens fit a 16-slot cache
+WIDTH = 32  # every model's hidden size
 SAMPLE = dict(do_sample=True, temperature=0.8, top_k=20, top_p=0.9)
 
 
 def build(kind: str, kv_heads: int = 2, layers: int = 2):
-    """An HF causal LM of ``layers`` layers, width 32 and 4 heads, random weights."""
+    """An HF causal LM of ``layers`` layers, width ``WIDTH`` and 4 heads, random weights."""
     import transformers as tf
     torch.manual_seed(0)
     common = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    decoder = dict(num_hidden_layers=layers, hidden_size=32, num_attention_heads=4,
+    decoder = dict(num_hidden_layers=layers, hidden_size=WIDTH, num_attention_heads=4,
                    intermediate_size=64, max_position_embeddings=64, **common)
     if kind == "gpt2":
-        model = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=layers, n_embd=32, n_head=4,
+        model = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=layers, n_embd=WIDTH, n_head=4,
                                                  n_positions=32, **common))
     elif kind == "opt":
-        model = tf.OPTForCausalLM(tf.OPTConfig(num_hidden_layers=layers, hidden_size=32,
+        model = tf.OPTForCausalLM(tf.OPTConfig(num_hidden_layers=layers, hidden_size=WIDTH,
                                                num_attention_heads=4, ffn_dim=64,
-                                               word_embed_proj_dim=32,
+                                               word_embed_proj_dim=WIDTH,
                                                max_position_embeddings=64, **common))
     else:
         config, cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
@@ -111,13 +113,44 @@ def cache_report(decoder: ShardedModule) -> tuple:
             sum(t.nbytes for t in held.values()), len(graphs))
 
 
+def ledgered(generate_greedy) -> list[tuple[str, int]]:
+    """(kind, elements) of each collective ``generate_greedy()`` issues on this rank."""
+    with CommLedger() as ledger:
+        generate_greedy()
+    return [(r.kind, r.elements) for r in ledger.records]
+
+
+def assert_one_token_steps(records: list[tuple[str, int]]) -> None:
+    """A greedy generation's collectives: the prompt's call carries every prompt position
+    (batch x prompt x width), each later step the same collectives on one position; every
+    call ends with the broadcast of its batch of tokens."""
+    ids, _ = prompts()
+    batch, prompt = ids.shape
+    calls, current = [], []
+    for kind, elements in records:
+        if kind == "broadcast":
+            assert elements == batch
+            calls.append(current)
+            current = []
+        else:
+            current.append((kind, elements))
+    assert len(calls) == NEW and not current, calls
+    prefill, *steps = calls
+    assert ("all_reduce", batch * prompt * WIDTH) in prefill, prefill
+    one = [(k, e // prompt if e % (batch * prompt) == 0 else e) for k, e in prefill]
+    for i, each in enumerate(steps, 1):
+        assert each == one, f"decode step {i}: {each}, not the prompt's on one token {one}"
+
+
 def check(kind: str, kv_heads: int, tp: int, got: list, layers: int = 2) -> None:
-    """Every rank generated HF's tokens, held its share of the cache, captured once."""
+    """Every rank generated HF's tokens, held its share of the cache, captured once, and
+    communicated one token's width per decode step."""
     expected, _ = reference(kind, kv_heads, layers)
     step = decode_step(build(kind, kv_heads, layers), 2, CACHE)
     full = sum(t.nbytes for name, t in step.named_buffers() if "_cache_" in name)
     heads = step.k_cache_0.shape[1]
-    for rank, (outs, layouts, local, graphs) in enumerate(got):
+    for rank, (outs, records, layouts, local, graphs) in enumerate(got):
+        assert_one_token_steps(records)
         for e, g in zip(expected, outs):
             assert torch.equal(e, g), (kind, rank, e, g)
         if heads > 1:  # one K/V head is every rank's
@@ -138,7 +171,8 @@ def sim_generate(ctx, step, captured, eos):
     outs = (generate(step.model, ids, do_sample=False, **kw),
             generate(step.model, ids, do_sample=False, eos_token_id=eos, pad_token_id=7, **kw),
             generate(step.model, ids, generator=torch.Generator().manual_seed(3), **SAMPLE, **kw))
-    return outs, *cache_report(decoder)
+    records = ledgered(lambda: generate(step.model, ids, do_sample=False, **kw))
+    return outs, records, *cache_report(decoder)
 
 
 # GPT-2 runs on real ranks below and in test_kvcache's collective sizes
@@ -161,7 +195,10 @@ def real_generate(ctx, cases: list, eos: dict):
         sharded = shardplan.parallelize(build(kind, kv_heads, layers), group=ctx.group,
                                         example_inputs=example(*prompts()))
         outs = runs(sharded, eos[kind])
-        out.append((outs, *cache_report(sharded.decode_step(2, CACHE))))
+        ids, mask = prompts()
+        records = ledgered(lambda: sharded.generate(ids, attention_mask=mask,
+                                                    max_new_tokens=NEW, do_sample=False))
+        out.append((outs, records, *cache_report(sharded.decode_step(2, CACHE))))
     return out
 
 

@@ -74,7 +74,8 @@ def test_fsdp_divides_state_and_mixed_precision_adds_a_master_copy():
     base = shardplan.plan(model, TP, batch=BATCH, seq=SEQ).memory.training
     fsdp = shardplan.plan(model, TP, batch=BATCH, seq=SEQ, dp=4, fsdp=True).memory.training
     assert fsdp.params == base.params // 4 and fsdp.optimizer_state == base.optimizer_state // 4
-    assert fsdp.fsdp_transient > 0 and fsdp.activations == base.activations
+    assert fsdp.fsdp_transient == _gathered_block_bytes(model, dp=4)
+    assert fsdp.activations == base.activations
     bf16 = shardplan.plan(model, TP, batch=BATCH, seq=SEQ, dtype=torch.bfloat16).memory.training
     assert bf16.params * 2 == base.params
     assert bf16.optimizer_state == base.optimizer_state * 3 // 2  # 2 moments + master, fp32
@@ -101,6 +102,19 @@ def test_hsdp_divides_state_by_the_shards_only(tp):
         (est.params, est.optimizer_state, est.fsdp_transient)
     assert "dp_replicate=2 x dp_shard=4 HSDP" in shardplan.plan(
         model, tp, batch=BATCH, seq=SEQ, dp_replicate=2, dp_shard=4).report()
+
+
+def _gathered_block_bytes(model, dp: int) -> int:
+    """FSDP's transient by hand: one block's TP-local fp32 parameters gathered over dp,
+    and as many gradient bytes before their reduce-scatter, less the rank's own shard.
+    Megatron's rule: every linear weight and the column-parallel (not ``c_proj``)
+    biases are split over tp; the layer norms are whole. (The blocks are all alike.)"""
+    elements = 0
+    for name, p in model.transformer.h[0].named_parameters():
+        split = name.endswith("weight") and "ln_" not in name or name.endswith(
+            ("c_attn.bias", "c_fc.bias"))
+        elements += p.numel() // TP if split else p.numel()
+    return 2 * elements * 4 * (dp - 1) // dp
 
 
 def test_fits_and_report_line():

@@ -60,8 +60,9 @@ def configs(draw):
     return family, cfg, tp, b, t, sp
 
 
-# 17 examples: the fixed sample's 18th to 20th repeat its 16th and 17th (the padded Llama at
-# tp 4, with a one-token example) at other lengths and head counts
+# 17 examples (the fixed sample is seeded by this test's source: an edit draws another):
+# today 12 at tp > 1, every one checked for Megatron's layouts, 6 of them with a padded
+# vocabulary and one with a one-token example
 @settings(max_examples=17, deadline=None, suppress_health_check=[HealthCheck.too_slow],
           derandomize=not RANDOM, database=None,
           phases=[Phase.explicit, Phase.reuse, Phase.generate])  # shrinking: minutes of exports
@@ -85,16 +86,28 @@ def test_sharded_equals_unsharded_simulated(case):
                                    atol=2e-5, rtol=1e-4)
         torch.testing.assert_close(r[1], loss, atol=2e-5, rtol=1e-4)
     assert_grads(results[0][3], [r[2] for r in results], grads)
-    if t == 1 or cfg["vocab_size"] % tp:  # padded vocabularies: known gaps, see the two
-        return  # strict xfails test_one_token_example_... and test_padded_vocab_embedding_...
-    # what was sharded, and the communication, from the model's description alone
-    assert_megatron_layouts(model, results[0][3], tp)
+    # what was sharded, from the model's description alone: on every example, the LM head
+    # vocab-parallel (padded or not) and every block's GEMMs by Megatron's rule
+    assert_megatron_layouts(model, _but_known_gaps(results[0][3], cfg, tp), tp)
+    assert tp == 1 or sharded_head, f"{head} kept whole at tp={tp}: {results[0][3][head]}"
+    if t == 1 or cfg["vocab_size"] % tp:  # the count below does not model the gathered
+        return  # logits of a one-token example nor the replicated padded embedding (no g)
+    # the communication, from the model's description alone
     layers, h = cfg.get("n_layer", cfg.get("n_layers")), cfg.get("n_embd", cfg.get("dim"))
     kv = cfg.get("n_kv_heads", tp)
     kv_weight = kv * (h // cfg.get("n_heads", 1)) * h if kv < tp else 0
     if tp > 1 and not sp:  # tp=1: no vocabulary split; SP: test_sequence_parallel counts
         assert_megatron_ledger([r[4] for r in results],
                                megatron_count(layers, b, t, h, kv_weight=kv_weight), tp)
+
+
+def _but_known_gaps(layouts: dict, cfg: dict, tp: int) -> dict:
+    """``layouts`` without what a known planner gap keeps replicated: the untied token
+    embedding of a padded vocabulary (the strict xfail test_padded_vocab_embedding_...)."""
+    if not cfg["vocab_size"] % tp or cfg.get("tie_weights", False):
+        return layouts
+    return {k: v for k, v in layouts.items()
+            if k not in ("transformer.wte.weight", "tok_embeddings.weight")}
 
 
 def test_single_kv_head_is_sharded():

@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from shardplan.errors import ConfigurationError
-from shardplan.layouts import Shard
 from shardplan.models import build
 from shardplan.planner.capture import capture
 from shardplan.ranks import SimulatedRanks
 
+from checks import assert_grads
+from hf_cases import nonzero_biases
 from sp_cases import (SequenceFirst, autocast_step, dropout_steps, hf_real_steps, real_step,
                       step)
 
@@ -28,7 +29,7 @@ B, T = 2, 8
 
 def _bundled(name):
     torch.manual_seed(0)
-    model = build(name).eval()
+    model = nonzero_biases(build(name)).eval()
     g = torch.Generator().manual_seed(1)
     idx = torch.randint(0, model.config.vocab_size, (B, T), generator=g)
     tgt = torch.randint(0, model.config.vocab_size, (B, T), generator=g)
@@ -52,15 +53,8 @@ def _assert_equal(results, model, args, kwargs=None, loss_of=None, tol=None):
     for r in results:
         torch.testing.assert_close(r[0], logits, **tol)
         torch.testing.assert_close(r[1], loss, **tol)
-    layouts = results[0][3]
-    for name, g in grads.items():
-        lay = layouts[name]
-        parts = [r[2][name] for r in results]
-        got = lay.unshard(parts, g.shape[lay.dim]) if isinstance(lay, Shard) else parts[0]
-        torch.testing.assert_close(got, g, **tol, msg=name)
-        if not isinstance(lay, Shard):
-            for p in parts[1:]:
-                torch.testing.assert_close(p, parts[0], msg=f"{name} differs between ranks")
+    # every copy: each rank's replica, each member of a K/V replica group
+    assert_grads(results[0][3], [r[2] for r in results], grads, **tol)
 
 
 def _run(model, args, kwargs, tp, sp=True, loss_of=None):
