@@ -30,6 +30,7 @@ import types
 from dataclasses import dataclass
 
 import torch
+import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
@@ -83,8 +84,7 @@ class CaptureShare:
     def keep(self, key: tuple, tensors: list[torch.Tensor], captured) -> None:
         """Remember ``captured`` (of the model whose ``tensors`` these are) under ``key``:
         a copy of its graph, so the caller may rewrite its own in place."""
-        constants = [(path, name) for path, m in captured.gm.named_modules()
-                     for name, v in vars(m).items() if isinstance(v, torch.Tensor)]
+        constants = _constants(captured.gm)
         memo = {id(t): t for t in tensors}
         self._entries[key] = _Entry(_copied(captured, memo, constants), list(tensors), constants)
 
@@ -94,9 +94,22 @@ def _copied(captured, memo: dict, constants: list[tuple[str, str]]):
     its graph's unregistered tensors stay unregistered (``GraphModule``'s copy would
     register them as buffers)."""
     out = copy.deepcopy(captured, memo)
-    for path, name in constants:
-        m = out.gm.get_submodule(path)
-        m.__dict__[name] = m._buffers.pop(name)
+    for owner, name in constants:
+        m = out.gm.get_submodule(owner)
+        if name in m._buffers:
+            m.__dict__[name] = m._buffers.pop(name)
+    return out
+
+
+def _constants(gm: fx.GraphModule) -> list[tuple[str, str]]:
+    """(owner, name) of every tensor ``gm``'s graph reads that is neither a parameter
+    nor a buffer of its owner."""
+    out = []
+    for node in gm.graph.find_nodes(op="get_attr"):
+        owner, _, name = node.target.rpartition(".")
+        m = gm.get_submodule(owner)
+        if isinstance(m.__dict__.get(name), torch.Tensor):
+            out.append((owner, name))
     return out
 
 
@@ -124,7 +137,7 @@ def key(model: nn.Module, args: tuple, kwargs: dict, truncate: bool
     walk = _Walk(model)
     try:
         return (truncate, walk.model(), walk.call(args, kwargs)), walk.tensors
-    except (_Unshareable, RecursionError):
+    except _Unshareable:
         return None
 
 
@@ -137,7 +150,7 @@ class _Walk:
         for name, m in model.named_modules(remove_duplicate=False):
             self.paths.setdefault(id(m), name)
         self.tensors: list[torch.Tensor] = []
-        self._seen: dict[int, tuple] = {}  # id -> its key part (objects met again)
+        self._seen: dict[int, int] = {}  # id -> its number, for objects met again
         self._open: set[int] = set()  # objects being described (a cycle back to one: give up)
 
     def model(self) -> tuple:
@@ -179,10 +192,13 @@ class _Walk:
         if t is None:
             return None
         if id(t) in self._seen:  # tied
-            return self._seen[id(t)]
-        self._seen[id(t)] = ("tied", len(self.tensors))
+            return "seen", self._seen[id(t)]
+        self._first(t)
         self.tensors.append(t)
         return _tensor_meta(t)
+
+    def _first(self, v) -> None:
+        self._seen[id(v)] = len(self._seen)
 
     def value(self, v, depth: int):
         if isinstance(v, _PLAIN):
@@ -193,8 +209,8 @@ class _Walk:
             return "module", self.paths[id(v)]
         if isinstance(v, type):
             return _Same(v)
-        if id(v) in self._seen:
-            return self._seen[id(v)]
+        if id(v) in self._seen:  # the same object again: so must the other model's be
+            return "seen", self._seen[id(v)]
         if id(v) in self._open or depth < 0:
             raise _Unshareable(type(v))
         self._open.add(id(v))
@@ -202,7 +218,7 @@ class _Walk:
             part = self._describe(v, depth - 1)
         finally:
             self._open.discard(id(v))
-        self._seen[id(v)] = part
+        self._first(v)
         return part
 
     def _describe(self, v, depth: int):
