@@ -31,6 +31,7 @@ from .input_shapes import InputShapes
 from .model_state import check_real, preserved
 from .quiet import quiet_export
 from ..torch_compat import pytree
+from . import shared_capture
 
 GUARDS = "_guards_fn"
 # ``gm.meta`` key of the exported program's input spec (``ep.call_spec.in_spec``)
@@ -65,10 +66,27 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     With ``truncate``, lists of more than three identical blocks are captured
     with their first three only (planning a deep model in seconds): a first,
     a middle and a last block; the plan stamps the middle one onto the rest.
+    Within ``shared_capture.sharing`` (a launch of simulated ranks), a model of
+    the same structure called the same way as one captured before gets a copy
+    of that capture reading this model's tensors.
     """
     args, kwargs = tuple(args), dict(kwargs or {})
     check_inputs(model, args, kwargs)
     check_real(model)
+    share = shared_capture.active()
+    with PLANNING_LOCK:  # another thread may be capturing this very model object
+        found = shared_capture.key(model, args, kwargs, truncate) if share else None
+        if found is None:
+            return _capture(model, args, kwargs, truncate)
+        key, tensors = found
+        captured = share.lookup(key, tensors)
+        if captured is None:
+            captured = _capture(model, args, kwargs, truncate)
+            share.keep(key, tensors, captured)
+        return captured
+
+
+def _capture(model: nn.Module, args: tuple, kwargs: dict, truncate: bool) -> Captured:
     args, kwargs = _unaliased(args, kwargs)
     with PLANNING_LOCK, preserved(model), _buffers_on_meta(model), capturable(model), \
             _truncated(model) if truncate else contextlib.nullcontext({}) as cut:

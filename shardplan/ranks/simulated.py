@@ -6,6 +6,9 @@ share torch's default CPU generator: code whose result depends on random
 numbers drawn inside the ranks (dropout) belongs on ``RealRanks``. They also
 share every object they are given: give each rank its own copy of a model
 (``copy.deepcopy``), or its replicated parameters are one object on all ranks.
+The ranks of one ``run()`` share their captures: a rank capturing a model of
+the same structure, called the same way, as another rank did gets a copy of
+that capture reading its own model's tensors (``planner.shared_capture``).
 
 ``timeout`` bounds each collective's wait for the other ranks (the error
 names the collective and the ranks that never arrived); ``run()`` gives up
@@ -19,6 +22,7 @@ import threading
 import time
 
 from ..errors import CommunicationError
+from ..planner.shared_capture import CaptureShare, sharing
 from ..runtime.comm import Rendezvous, ThreadGroup
 from .base import RankContext, Ranks, check_world_size, grace, root_cause
 
@@ -33,11 +37,13 @@ class SimulatedRanks(Ranks):
         rv = Rendezvous(n, timeout=self.timeout)
         results: list = [None] * n
         errors: dict[int, BaseException] = {}
+        share = CaptureShare()
 
         def body(rank: int) -> None:
             try:
                 ctx = RankContext(rank, n, ThreadGroup(rank, rv))
-                results[rank] = fn(ctx, *args)
+                with sharing(share):
+                    results[rank] = fn(ctx, *args)
                 rv.returned.add(rank)
             except BaseException as e:  # reported below, in the caller's thread
                 e.add_note(f"[simulated rank {rank}]")
