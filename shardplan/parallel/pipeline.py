@@ -142,20 +142,25 @@ def check_config(model: nn.Module, inputs: tuple, dims: ParallelDims, microbatch
                                  where="pipeline_parallel",
                                  fix="pass the number of microbatches a batch is cut into")
     rows = {t.shape[0] for t in inputs}
-    if len(rows) != 1 or next(iter(rows)) % microbatches:
+    if len(rows) != 1:
         raise ConfigurationError(
-            f"microbatches={microbatches} does not divide the batch of {sorted(rows)} rows",
-            where="pipeline_parallel",
+            f"example_inputs of different batch sizes {sorted(rows)}", where="pipeline_parallel",
+            fix="pass inputs whose first dimension is the batch, the same for all")
+    if rows.pop() % microbatches:
+        raise ConfigurationError(
+            f"microbatches={microbatches} does not divide the batch of {inputs[0].shape[0]} "
+            f"rows", where="pipeline_parallel",
             fix="pass a number of microbatches that divides the batch size")
     if schedule in NEED_PP_MICROBATCHES and microbatches < dims.pp:
         raise ConfigurationError(
             f"schedule={schedule!r} needs at least pp={dims.pp} microbatches, got "
             f"{microbatches}", where="pipeline_parallel",
             fix=f"pass microbatches >= {dims.pp}, or schedule='gpipe'")
-    if multi and microbatches % max(1, microbatches // dims.pp):
+    rounds = max(1, microbatches // dims.pp)
+    if multi and microbatches % rounds:
         raise ConfigurationError(
-            f"schedule={schedule!r} runs rounds of pp={dims.pp} microbatches; "
-            f"{microbatches} microbatches are not whole rounds", where="pipeline_parallel",
+            f"schedule={schedule!r} runs microbatches // pp = {rounds} rounds, and "
+            f"microbatches={microbatches} is not a multiple of them", where="pipeline_parallel",
             fix=f"pass a multiple of {dims.pp} microbatches")
     blocks = len(model.get_submodule(layers))
     if dims.pp * per_rank > blocks:
