@@ -217,8 +217,9 @@ class Pipeline:
     def step(self, inputs, targets: torch.Tensor, broadcast_loss: bool = False):
         """One forward and backward of the batch through the schedule, leaving the
         gradients of the batch's mean loss on this rank's parameters (zero them before
-        each step: the gradients of shared parameters are summed over stages). Returns the loss
-        on the last stage's rank (on every rank with ``broadcast_loss``), else None."""
+        each step: the gradients of shared parameters are summed over stages). Returns
+        the loss on the last stage's rank (on every rank with ``broadcast_loss``), else
+        None."""
         inputs = inputs if isinstance(inputs, tuple) else (inputs,)
         shapes = [tuple(t.shape) for t in inputs]
         if shapes != self._batch_shapes or targets.shape[0] != shapes[0][0]:
@@ -239,9 +240,10 @@ class Pipeline:
     def _sum_shared_grads(self) -> None:
         """Sum the gradient of each parameter held by several stages over the pp group (a
         rank without it adds zeros); every copy gets the sum."""
-        local = dict(self.named_parameters())
         for shared in self._shared:
-            held = [local[n] for n in shared.aliases if n in local]
+            held = list({id(p): p for module in self.modules.values()
+                         for n, p in module.named_parameters(remove_duplicate=False)
+                         if n in shared.aliases}.values())
             grads = [p.grad for p in held if p.grad is not None]
             grad = torch.stack(grads).sum(0) if grads else \
                 torch.zeros(shared.shape, dtype=shared.dtype)
@@ -310,8 +312,8 @@ def _tie_within(stage: nn.Module, model: nn.Module) -> None:
 
 def _shared_parameters(model: nn.Module, pipe, num_stages: int) -> list[Shared]:
     """The parameters of ``model`` that more than one stage of ``pipe`` holds."""
-    holders = [set(n for n, _ in pipe.get_stage_module(s).named_parameters(
-        remove_duplicate=False)) for s in range(num_stages)]
+    holders = [{n for n, _ in pipe.get_stage_module(s).named_parameters(
+        remove_duplicate=False)} for s in range(num_stages)]
     params = dict(model.named_parameters(remove_duplicate=False))
     return [Shared(aliases, params[aliases[0]]) for aliases in _aliases(model)
             if sum(bool(holders[s] & set(aliases)) for s in range(num_stages)) > 1]
