@@ -1,1 +1,2 @@
-"""Parallel dimensions beyond tensor parallelism, built on torch's engines (``fsdp``: FSDP2)."""
+"""Parallel dimensions beyond tensor parallelism, built on torch's engines (``fsdp``: FSDP2;
+``pipeline``: pipeline stages on ``torch.distributed.pipelining``)."""

@@ -1,0 +1,319 @@
+"""Pipeline parallelism over the mesh's "pp" dimension, on ``torch.distributed.pipelining``.
+
+``pipeline_parallel(model, example_inputs, dims=..., microbatches=M)`` cuts
+``model`` into stages at block boundaries, keeps this rank's stages and runs
+them with one of torch's schedules::
+
+    dims = ParallelDims(pp=2).with_mesh("cpu")
+    pipe = pipeline_parallel(model, x, dims=dims, microbatches=4, schedule="1f1b")
+    opt = torch.optim.AdamW(pipe.parameters())
+    loss = pipe.step(x, y)      # the batch's loss on the last stage's rank, else None
+
+The cut:
+
+1. the blocks are the elements of the model's largest ``nn.ModuleList`` (its
+   layers; ``layers=`` names another); the embedding stays on the first
+   stage, the head on the last, with the loss the schedule computes there
+   (``loss_fn(output, targets)``, by default the cross-entropy of the logits);
+2. the blocks are divided into contiguous runs, one per stage, by a cost per
+   block: the block's parameter count, runs chosen so that the largest
+   stage cost is as small as it can be (``balance``; stages may hold
+   different numbers of blocks). The FLOP-based cost of the planner's
+   step-time model is the next step; embedding and head are not counted yet;
+3. torch's tracer (``torch.distributed.pipelining.pipeline`` with a
+   ``SplitPoint.BEGINNING`` at each stage's first block) exports the model
+   on one microbatch and splits the graph there; each rank builds
+   ``PipelineStage``s for its stages: stage ``s`` lives on pp rank
+   ``s % pp`` (with ``virtual_stages`` v > 1, the interleaved schedule's
+   v stages per rank).
+
+Parameters used on several stages (an embedding tied to the head) are kept
+on each of them by the tracer; ``step`` sums their gradients over the pp
+group, so every copy gets the whole gradient and stays equal to the others.
+The tracer exports one microbatch shape: every ``step`` takes a batch of
+the example's shape. Tensor parallelism inside a stage and data parallelism
+beside the pipeline are not yet supported.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.pipelining import (
+    Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, SplitPoint, pipeline)
+
+from ..errors import ConfigurationError
+from ..layouts import MeshDim
+from ..parallel_dims import ParallelDims
+
+#: schedule name -> (torch schedule class, whether it runs several stages per rank)
+SCHEDULES = {
+    "gpipe": (ScheduleGPipe, False),
+    "1f1b": (Schedule1F1B, False),
+    "interleaved": (ScheduleInterleaved1F1B, True),
+}
+#: schedules that need at least as many microbatches as pp ranks
+NEED_PP_MICROBATCHES = ("1f1b", "interleaved")
+#: stages per rank of the interleaved schedule when ``virtual_stages`` is not given
+DEFAULT_VIRTUAL = 2
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The mean cross-entropy of ``logits`` (..., vocab) against ``targets`` (...)."""
+    return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
+
+
+def find_layers(model: nn.Module, layers: str | None = None) -> str:
+    """The FQN of ``model``'s block list: ``layers`` if given, else its largest
+    ``nn.ModuleList``."""
+    lists = {n: m for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)}
+    if layers is not None:
+        if layers not in lists:
+            raise ConfigurationError(
+                f"layers={layers!r} is not a non-empty nn.ModuleList of {type(model).__name__}",
+                where="pipeline_parallel",
+                fix=f"name one of {sorted(lists) or 'its nn.ModuleLists (it has none)'}")
+        return layers
+    if not lists:
+        raise ConfigurationError(
+            f"{type(model).__name__} has no nn.ModuleList of blocks to cut into stages",
+            where="pipeline_parallel",
+            fix="hold the repeated layers in an nn.ModuleList and pass its name as layers=")
+    return max(lists, key=lambda n: len(lists[n]))
+
+
+def block_costs(model: nn.Module, layers: str) -> list[int]:
+    """The cost of each block of ``layers``: its parameter count."""
+    return [sum(p.numel() for p in block.parameters())
+            for block in model.get_submodule(layers)]
+
+
+def balance(costs: list[int], stages: int) -> list[int]:
+    """The first block of each of ``stages`` contiguous non-empty runs of ``costs``
+    whose largest sum is the smallest possible (of equal ones, the earliest cuts)."""
+    n = len(costs)
+    prefix = [0, *itertools.accumulate(costs)]
+    # best[k][i]: the smallest largest sum of k runs over the first i blocks
+    best = [[math.inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0
+    for k in range(1, stages + 1):
+        for i in range(k, n - (stages - k) + 1):
+            for j in range(k - 1, i):
+                worst = max(best[k - 1][j], prefix[i] - prefix[j])
+                if worst < best[k][i]:
+                    best[k][i], cut[k][i] = worst, j
+    starts, i = [], n
+    for k in range(stages, 0, -1):
+        i = cut[k][i]
+        starts.append(i)
+    return starts[::-1]
+
+
+def check_config(model: nn.Module, inputs: tuple, dims: ParallelDims, microbatches: int,
+                 schedule: str, virtual_stages: int | None, layers: str) -> int:
+    """Validate the arguments of ``pipeline_parallel``; the number of stages per rank."""
+    if schedule not in SCHEDULES:
+        raise ConfigurationError(f"unknown schedule {schedule!r}", where="pipeline_parallel",
+                                 fix=f"pass schedule= one of {list(SCHEDULES)}")
+    multi = SCHEDULES[schedule][1]
+    per_rank = (DEFAULT_VIRTUAL if multi else 1) if virtual_stages is None else virtual_stages
+    if not isinstance(per_rank, int) or isinstance(per_rank, bool) or per_rank < 1 \
+            or (per_rank > 1 and not multi):
+        raise ConfigurationError(
+            f"virtual_stages={virtual_stages!r} with schedule={schedule!r}",
+            where="pipeline_parallel",
+            fix="pass virtual_stages (an int >= 1, stages per rank) only with "
+                "schedule='interleaved'")
+    if dims.pp < 2 or dims.tp > 1 or dims.dp > 1:
+        raise ConfigurationError(
+            f"{dims}: pipeline_parallel runs pipeline stages alone (pp >= 2, every other "
+            f"dimension 1) for now", where="pipeline_parallel",
+            fix="pass dims=ParallelDims(pp=world_size).with_mesh(device)")
+    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+        raise ConfigurationError(f"microbatches={microbatches!r} must be a positive int",
+                                 where="pipeline_parallel",
+                                 fix="pass the number of microbatches a batch is cut into")
+    rows = {t.shape[0] for t in inputs}
+    if len(rows) != 1:
+        raise ConfigurationError(
+            f"example_inputs of different batch sizes {sorted(rows)}", where="pipeline_parallel",
+            fix="pass inputs whose first dimension is the batch, the same for all")
+    if rows.pop() % microbatches:
+        raise ConfigurationError(
+            f"microbatches={microbatches} does not divide the batch of {inputs[0].shape[0]} "
+            f"rows", where="pipeline_parallel",
+            fix="pass a number of microbatches that divides the batch size")
+    if schedule in NEED_PP_MICROBATCHES and microbatches < dims.pp:
+        raise ConfigurationError(
+            f"schedule={schedule!r} needs at least pp={dims.pp} microbatches, got "
+            f"{microbatches}", where="pipeline_parallel",
+            fix=f"pass microbatches >= {dims.pp}, or schedule='gpipe'")
+    rounds = max(1, microbatches // dims.pp)
+    if multi and microbatches % rounds:
+        raise ConfigurationError(
+            f"schedule={schedule!r} runs microbatches // pp = {rounds} rounds, and "
+            f"microbatches={microbatches} is not a multiple of them", where="pipeline_parallel",
+            fix=f"pass a multiple of {dims.pp} microbatches")
+    blocks = len(model.get_submodule(layers))
+    if dims.pp * per_rank > blocks:
+        raise ConfigurationError(
+            f"{dims.pp * per_rank} stages (pp={dims.pp} x {per_rank} per rank) but "
+            f"{layers!r} has {blocks} blocks", where="pipeline_parallel",
+            fix=f"use at most {blocks} stages: fewer pp ranks or virtual_stages")
+    return per_rank
+
+
+class Shared:
+    """A parameter of the model under several FQNs or on several stages."""
+
+    def __init__(self, aliases: tuple[str, ...], like: torch.Tensor):
+        self.aliases, self.shape, self.dtype = aliases, like.shape, like.dtype
+
+
+class Pipeline:
+    """This rank's pipeline stages and the torch schedule that runs them."""
+
+    def __init__(self, modules: dict[int, nn.Module], schedule, dims: ParallelDims,
+                 starts: list[int], shared: list[Shared], batch_shapes: list[tuple]):
+        #: stage index -> this rank's stage module (parameters under the model's FQNs)
+        self.modules = modules
+        #: the torch schedule object
+        self.schedule = schedule
+        #: the first block of each stage
+        self.starts = starts
+        self.dims = dims
+        self._shared, self._batch_shapes = shared, batch_shapes
+        self._group = dims.group(MeshDim.PP).pg
+        self._num_stages = len(starts)
+
+    @property
+    def holds_first_stage(self) -> bool:
+        return 0 in self.modules
+
+    @property
+    def holds_last_stage(self) -> bool:
+        return self._num_stages - 1 in self.modules
+
+    def named_parameters(self):
+        """(FQN in the model, parameter) of this rank's stages, each parameter once."""
+        seen = set()
+        for module in self.modules.values():
+            for name, p in module.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield name, p
+
+    def parameters(self):
+        return (p for _, p in self.named_parameters())
+
+    def step(self, inputs, targets: torch.Tensor, broadcast_loss: bool = False):
+        """One forward and backward of the batch through the schedule, leaving the
+        gradients of the batch's mean loss on this rank's parameters (zero them before
+        each step: the gradients of shared parameters are summed over stages). Returns
+        the loss on the last stage's rank (on every rank with ``broadcast_loss``), else
+        None."""
+        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        shapes = [tuple(t.shape) for t in inputs]
+        if shapes != self._batch_shapes or targets.shape[0] != shapes[0][0]:
+            raise ConfigurationError(
+                f"step() inputs of shapes {shapes} and targets of {tuple(targets.shape)}, but "
+                f"the pipeline was built for inputs {self._batch_shapes}", where="Pipeline.step",
+                fix="pass batches of the example's shape (the tracer exports one shape)")
+        losses: list[torch.Tensor] = []
+        self.schedule.step(*(inputs if self.holds_first_stage else ()),
+                           target=targets if self.holds_last_stage else None, losses=losses)
+        self._sum_shared_grads()
+        loss = torch.stack(losses).mean().detach() if losses else None
+        if broadcast_loss:
+            loss = torch.zeros(()) if loss is None else loss
+            dist.broadcast(loss, group=self._group, group_src=(self._num_stages - 1) % self.dims.pp)
+        return loss
+
+    def _sum_shared_grads(self) -> None:
+        """Sum the gradient of each parameter held by several stages over the pp group (a
+        rank without it adds zeros); every copy gets the sum."""
+        for shared in self._shared:
+            held = list({id(p): p for module in self.modules.values()
+                         for n, p in module.named_parameters(remove_duplicate=False)
+                         if n in shared.aliases}.values())
+            grads = [p.grad for p in held if p.grad is not None]
+            grad = torch.stack(grads).sum(0) if grads else \
+                torch.zeros(shared.shape, dtype=shared.dtype)
+            dist.all_reduce(grad, group=self._group)
+            for p in held:
+                p.grad = grad.clone()
+
+
+def pipeline_parallel(model: nn.Module, example_inputs, *, dims: ParallelDims,
+                      microbatches: int, schedule: str = "1f1b",
+                      virtual_stages: int | None = None, layers: str | None = None,
+                      loss_fn: Callable = lm_loss) -> Pipeline:
+    """Cut ``model`` into ``dims.pp`` x ``virtual_stages`` stages at block boundaries
+    and build this rank's (see the module docstring). ``example_inputs``: the
+    positional inputs of one batch (a tensor or a tuple), the shape every ``step``
+    takes; ``microbatches``: how many pieces a batch is cut into; ``schedule``: one of
+    ``SCHEDULES``; ``loss_fn(output, targets)``: the loss of one microbatch (its mean),
+    computed on the last stage. ``model`` is not changed."""
+    inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    layers = find_layers(model, layers)
+    per_rank = check_config(model, inputs, dims, microbatches, schedule, virtual_stages, layers)
+    num_stages = dims.pp * per_rank
+    starts = balance(block_costs(model, layers), num_stages)
+    group = dims.group(MeshDim.PP).pg
+    pp_rank = dist.get_rank(group)
+    pipe = _trace(copy.deepcopy(model), inputs, microbatches, layers, starts)
+    device = torch.device(dims.mesh.device_type)
+    stages, modules = [], {}
+    for s in range(pp_rank, num_stages, dims.pp):
+        stage = pipe.build_stage(s, device, group=group)
+        _tie_within(stage.submod, model)
+        stages.append(stage)
+        modules[s] = stage.submod
+    cls, multi = SCHEDULES[schedule]
+    runner = cls(stages if multi else stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
+    shared = _shared_parameters(model, pipe, num_stages)
+    return Pipeline(modules, runner, dims, starts, shared, [tuple(t.shape) for t in inputs])
+
+
+def _trace(model: nn.Module, inputs: tuple, microbatches: int, layers: str, starts: list[int]):
+    """torch's ``Pipe`` of ``model`` split before each stage's first block, exported on
+    one microbatch of ``inputs``."""
+    example = tuple(t[: t.shape[0] // microbatches] for t in inputs)
+    spec = {f"{layers}.{b}": SplitPoint.BEGINNING for b in starts[1:]}
+    return pipeline(model, example, split_spec=spec)
+
+
+def _aliases(model: nn.Module) -> list[tuple[str, ...]]:
+    """The FQNs of each parameter of ``model``, one tuple per parameter."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return [tuple(n) for n in names.values()]
+
+
+def _tie_within(stage: nn.Module, model: nn.Module) -> None:
+    """Make the FQNs of one parameter of ``model`` that a stage holds as separate copies
+    name one parameter there again."""
+    held = dict(stage.named_parameters(remove_duplicate=False))
+    for aliases in _aliases(model):
+        mine = [n for n in aliases if n in held]
+        for name in mine[1:]:
+            owner, _, leaf = name.rpartition(".")
+            setattr(stage.get_submodule(owner), leaf, held[mine[0]])
+
+
+def _shared_parameters(model: nn.Module, pipe, num_stages: int) -> list[Shared]:
+    """The parameters of ``model`` that more than one stage of ``pipe`` holds."""
+    holders = [{n for n, _ in pipe.get_stage_module(s).named_parameters(
+        remove_duplicate=False)} for s in range(num_stages)]
+    params = dict(model.named_parameters(remove_duplicate=False))
+    return [Shared(aliases, params[aliases[0]]) for aliases in _aliases(model)
+            if sum(bool(holders[s] & set(aliases)) for s in range(num_stages)) > 1]

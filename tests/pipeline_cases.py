@@ -1,0 +1,55 @@
+"""Per-rank functions for tests/test_pipeline.py (picklable for RealRanks): pp=2 on 2
+gloo processes, the global batch through the pipeline on every rank."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from shardplan.parallel.pipeline import pipeline_parallel
+from shardplan.parallel_dims import ParallelDims
+
+STEPS, LR, ROWS, SEQ = 3, 1e-2, 4, 8
+
+
+def batches(vocab: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One global batch (inputs, targets) per step."""
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randint(0, vocab, (ROWS, SEQ), generator=g),
+             torch.randint(0, vocab, (ROWS, SEQ), generator=g)) for _ in range(STEPS)]
+
+
+def reference(model, data) -> tuple[list[float], dict]:
+    """One process, the unsharded model, AdamW on the global batches: (losses, state dict)."""
+    m = copy.deepcopy(model)
+    opt = torch.optim.AdamW(m.parameters(), lr=LR)
+    losses = []
+    for x, y in data:
+        opt.zero_grad()
+        loss = m(x, y)[1]
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, m.state_dict()
+
+
+def train_rank(ctx, model, data, schedule: str, microbatches: int):
+    """AdamW steps through the pipeline: (losses broadcast to this rank, the loss
+    ``step`` returns here without broadcasting, this rank's parameters by FQN, the
+    stages it holds, whether ``model`` was left as it was)."""
+    dims = ParallelDims(pp=ctx.world_size).with_mesh("cpu")
+    pipe = pipeline_parallel(model, data[0][0], dims=dims, microbatches=microbatches,
+                             schedule=schedule)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=LR)
+    losses, local = [], None
+    for i, (x, y) in enumerate(data):
+        opt.zero_grad()
+        if i == 0:
+            local = pipe.step(x, y)
+            opt.zero_grad()
+        losses.append(pipe.step(x, y, broadcast_loss=True).item())
+        opt.step()
+    untouched = all("_orig_forward" not in vars(m) for m in model.modules())
+    return (losses, None if local is None else local.item(),
+            {n: p.detach() for n, p in pipe.named_parameters()}, sorted(pipe.modules), untouched)

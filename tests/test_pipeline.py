@@ -1,0 +1,144 @@
+"""Pipeline parallelism (``shardplan.parallel.pipeline``) on torch's schedules.
+
+pp=2 on 2 gloo processes must train like one process on the global batch: the
+losses and every parameter after a few AdamW steps, on every rank; and it was cut:
+each rank holds its own stage's parameters only (the embedding on the first, the
+head on the last, about half of the model each). The cut's balance and the
+argument checks need no ranks.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import pipeline_cases as cases
+from shardplan import ConfigurationError
+from shardplan.models import build
+from shardplan.parallel.pipeline import balance, check_config, pipeline_parallel
+from shardplan.parallel_dims import ParallelDims
+
+RTOL, ATOL = 1e-5, 1e-4
+
+#: model -> (its builder, the FQNs only the first stage holds, only the last, one block's prefix)
+MODELS = {
+    "gpt": (lambda **kw: build("gpt-tiny", **kw), ["transformer.wpe.weight"],
+            ["transformer.ln_f.weight"], "transformer.h."),
+    "llama": (lambda **kw: build("llama-tiny", **kw), ["tok_embeddings.weight"],
+              ["norm.weight", "output.weight"], "layers."),
+}
+RUNS = [("gpt", "gpipe", 2), ("gpt", "1f1b", 2), ("gpt", "1f1b", 4), ("llama", "gpipe", 4),
+        ("llama", "1f1b", 2)]
+
+
+@pytest.mark.real
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name,schedule,microbatches", RUNS,
+                         ids=[f"{n}-{s}-m{m}" for n, s, m in RUNS])
+def test_pipeline_trains_like_one_process(real_ranks, name, schedule, microbatches):
+    make, first_only, last_only, block = MODELS[name]
+    torch.manual_seed(0)
+    model = make()
+    data = cases.batches(64)
+    expected, state = cases.reference(model, data)
+    runs = real_ranks(2).run(cases.train_rank, model, data, schedule, microbatches)
+    total = sum(p.numel() for p in model.parameters())
+    held = set()
+    for rank, (losses, local, params, stages, untouched) in enumerate(runs):
+        torch.testing.assert_close(losses, expected, rtol=RTOL, atol=0, msg=f"rank {rank}")
+        assert (local is not None) == (rank == 1), f"rank {rank}: step returned {local}"
+        assert stages == [rank] and untouched
+        for n, t in params.items():
+            torch.testing.assert_close(t, state[n], rtol=0, atol=ATOL, msg=f"rank {rank} {n}")
+        assert sum(t.numel() for t in params.values()) < 0.6 * total, f"rank {rank} holds all"
+        mine, other = (first_only, last_only) if rank == 0 else (last_only, first_only)
+        assert set(mine) <= set(params) and not set(other) & set(params), (rank, sorted(params))
+        assert {n for n in params if n.startswith(block)} == \
+            {n for n in state if n.startswith(f"{block}{rank}.")}, rank
+        held |= set(params)
+    assert held == {n for n, _ in model.named_parameters(remove_duplicate=False)}
+
+
+@pytest.mark.real
+@pytest.mark.timeout(600)
+def test_interleaved_runs_two_stages_per_rank(real_ranks):
+    """Four stages of one block each, two per rank (stages r and r + 2)."""
+    torch.manual_seed(0)
+    model = build("gpt-tiny", n_layer=4)
+    data = cases.batches(64)
+    expected, state = cases.reference(model, data)
+    runs = real_ranks(2).run(cases.train_rank, model, data, "interleaved", 2)
+    for rank, (losses, _, params, stages, _) in enumerate(runs):
+        torch.testing.assert_close(losses, expected, rtol=RTOL, atol=0, msg=f"rank {rank}")
+        assert stages == [rank, rank + 2]
+        for n, t in params.items():
+            torch.testing.assert_close(t, state[n], rtol=0, atol=ATOL, msg=f"rank {rank} {n}")
+        blocks = {n.split(".")[2] for n in params if n.startswith("transformer.h.")}
+        assert blocks == {str(rank), str(rank + 2)}, (rank, blocks)
+
+
+def _largest(costs, starts):
+    ends = [*starts[1:], len(costs)]
+    return max(sum(costs[a:b]) for a, b in zip(starts, ends))
+
+
+@pytest.mark.parametrize("costs,stages,starts", [
+    ([1, 1, 1, 1], 2, [0, 2]), ([5, 1, 1, 1], 2, [0, 1]), ([1, 1, 1, 5], 2, [0, 3]),
+    ([3, 3, 3], 3, [0, 1, 2]), ([2, 1, 1, 2, 1, 1], 3, [0, 2, 4])])
+def test_balance_cuts_by_cost(costs, stages, starts):
+    assert balance(costs, stages) == starts
+
+
+def test_balance_is_the_best_contiguous_cut():
+    """Against every cut: no other has a smaller largest stage."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(30):
+        n = int(torch.randint(2, 8, (1,), generator=g))
+        costs = torch.randint(1, 20, (n,), generator=g).tolist()
+        for stages in range(1, n + 1):
+            starts = balance(costs, stages)
+            assert starts[0] == 0 and sorted(set(starts)) == starts and len(starts) == stages
+            best = min(_largest(costs, [0, *c])
+                       for c in itertools.combinations(range(1, n), stages - 1))
+            assert _largest(costs, starts) == best, (costs, stages, starts)
+
+
+def _check(pp=2, microbatches=2, schedule="1f1b", virtual_stages=None, tp=1, rows=4, blocks=2):
+    model = build("gpt-tiny", n_layer=blocks)
+    return check_config(model, (torch.zeros(rows, 8, dtype=torch.long),),
+                        ParallelDims(pp=pp, tp=tp), microbatches, schedule, virtual_stages,
+                        "transformer.h")
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(pp=4, microbatches=4), ["4 stages", "2 blocks"]),
+    (dict(schedule="interleaved", virtual_stages=2), ["4 stages", "2 blocks"]),
+    (dict(microbatches=3), ["microbatches=3", "4 rows"]),
+    (dict(microbatches=0), ["microbatches=0"]),
+    (dict(microbatches=1), ["'1f1b' needs at least pp=2 microbatches"]),
+    (dict(schedule="interleaved", microbatches=5, rows=10, blocks=4), ["2 rounds"]),
+    (dict(schedule="zigzag"), ["zigzag", "gpipe", "1f1b", "interleaved"]),
+    (dict(schedule="gpipe", virtual_stages=2), ["virtual_stages=2", "interleaved"]),
+    (dict(tp=2), ["pp >= 2"]),
+    (dict(pp=1), ["pp >= 2"]),
+])
+def test_bad_pipeline_configuration_is_named(kwargs, words):
+    with pytest.raises(ConfigurationError) as e:
+        _check(**kwargs)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_gpipe_takes_fewer_microbatches_than_stages():
+    assert _check(schedule="gpipe", microbatches=1) == 1
+    assert _check(schedule="interleaved", microbatches=2, blocks=4) == 2
+
+
+def test_a_model_without_blocks_is_refused():
+    with pytest.raises(ConfigurationError, match="no nn.ModuleList"):
+        pipeline_parallel(torch.nn.Linear(2, 2), torch.zeros(2, 2), dims=ParallelDims(pp=2),
+                          microbatches=2)
+    with pytest.raises(ConfigurationError, match="layers='blocks'"):
+        pipeline_parallel(build("gpt-tiny"), torch.zeros(2, 8, dtype=torch.long),
+                          dims=ParallelDims(pp=2), microbatches=2, layers="blocks")
