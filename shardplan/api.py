@@ -1,4 +1,7 @@
-"""The three entry points: ``parallelize``, ``plan`` and ``verify``."""
+"""``parallelize``: a model and a process group (or mesh) -> its ``ShardedModule``.
+
+The package's other entry points live beside the stages they drive: ``plan`` in
+``planner/plan.py`` and ``verify`` in ``verify.py`` (all three exported by ``shardplan``)."""
 
 from __future__ import annotations
 

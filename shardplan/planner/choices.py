@@ -25,6 +25,7 @@ import torch
 
 from .shards import local_shape
 
+# the alternatives' names (``Choice.chosen``); not ``kinds.base.Role.DISTRIBUTED``, a node's role
 DISTRIBUTED, REPLICATED, GATHERED = "distributed", "replicated", "gathered"
 ORDER = (DISTRIBUTED, REPLICATED, GATHERED)  # the order of preference among equal costs
 

@@ -1,8 +1,10 @@
 """Small questions asked of fx graph nodes: op names, operands, shapes, arguments.
 
-Arguments are read and written by their name in the op's ATen schema
-(``args_of(node)["dim"]``, ``set_arg(node, "dim", 0)``), never by position,
-so a rule never depends on whether export spelled an argument positionally.
+``args_of`` and ``set_arg`` read and write an argument by its name in the op's ATen
+schema (``args_of(node)["dim"]``, ``set_arg(node, "dim", 0)``), so a rule reading them
+never depends on whether an argument was spelled positionally or by keyword. Code
+matching one op's fixed form (the input tensor, getitem's index) reads ``node.args``
+by position, as export writes positional arguments.
 """
 
 from __future__ import annotations

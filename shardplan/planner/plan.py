@@ -172,7 +172,7 @@ class Plan(BaseModel):
         return render_html(self)
 
     def diff(self, other: Plan) -> str:
-        """What changed from this plan to ``other`` (``plan_diff.compare_plans`` for data)."""
+        """What changed from this plan to ``other`` (``report.diff.compare_plans`` for data)."""
         from ..report.diff import diff_plans
         return diff_plans(self, other)
 

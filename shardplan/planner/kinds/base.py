@@ -7,8 +7,11 @@ operands, ``rule``), the cuts it makes along a dim (``cuts``: where a fused
 output is split downstream) and how its size arguments change for one
 rank's shard (``local_args``), and what else one rank's op needs to give its
 part of the result (``local_form``: a mean over a split dim divides by tp).
-Arguments are read by schema name (``graph.args_of``), never by position or
-op-name suffix.
+The arguments a rule decides by (dims, sizes, equations) are read by schema
+name (``graph.args_of``), not by position or op-name suffix. The input tensor is
+``node.args[0]``, first in every listed op's schema, and helpers matching one op's
+fixed form read ``node.args`` by position too (``einsum``'s tensor list, a view's
+size list), as export writes them: positional arguments positionally.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ class Role(StrEnum):
     VOCAB_EMBEDDING = "vocab_embedding"
     VOCAB_LOSS = "vocab_loss"
     REPLICATED = "replicated"  # an opener kept replicated (a conflict downstream)
-    DISTRIBUTED = "distributed_reduce"  # reduces a split dim locally: output partial
+    DISTRIBUTED = "distributed_reduce"  # reduces a split dim locally: output partial (a role;
+    # ``choices.DISTRIBUTED`` is the name of a weighed alternative)
 
 
 @dataclass
