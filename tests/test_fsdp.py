@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate as DTensorReplicate, Shard as DTensorShard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp_cases as cases
@@ -100,7 +100,7 @@ def test_hsdp_trains_like_one_process(real_ranks, replicate, shard, tp):
     runs = real_ranks(4).run(cases.hsdp_rank, model, data, replicate, shard, tp)
     names = {n for n, _ in model.named_parameters()}
     mesh = ("dp_replicate", "dp_shard") if replicate > 1 else ("dp_shard",)
-    placements = (Replicate(), Shard(0)) if replicate > 1 else (Shard(0),)
+    placements = (DTensorReplicate(), DTensorShard(0)) if replicate > 1 else (DTensorShard(0),)
     ideal = sum(p.numel() * p.element_size() for p in model.parameters()) / (shard * tp)
     for rank, (losses, params, local, units, placed) in enumerate(runs):
         close(losses, expected, f"rank {rank}")
