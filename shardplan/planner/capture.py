@@ -239,7 +239,7 @@ def _truncated(model: nn.Module):
             saved.append((mod, list(mod)))
             cut[name] = (KEPT, len(mod))
     try:
-        for mod, blocks in saved:
+        for mod, _ in saved:
             del mod[KEPT:]
         yield cut
     finally:
