@@ -54,9 +54,9 @@ its slice of that (identical) gradient.
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
-from enum import StrEnum
 
 import torch
 import torch.fx as fx
@@ -65,8 +65,9 @@ from ..layouts import MeshDim
 from .graph import hint
 
 
-class Collective(StrEnum):
-    """How ranks exchange data for one side (forward or backward) of a transition."""
+class Collective(str, enum.Enum):
+    """How ranks exchange data for one side (forward or backward) of a transition. A member
+    is its value (``str(Collective.ALL_GATHER) == "all_gather"``)."""
 
     NONE = "none"
     LOCAL_SLICE = "local_slice"  # keep this rank's part: no communication
@@ -75,6 +76,9 @@ class Collective(StrEnum):
     REDUCE_SCATTER = "reduce_scatter"  # sequence parallel's g
     ALL_GATHER = "all_gather"
     REPLICA_SUM = "replica_sum"  # all-reduce of a zero-padded full-size buffer
+
+    def __str__(self) -> str:
+        return self.value
 
     @property
     def communicates(self) -> bool:
@@ -87,8 +91,9 @@ class Collective(StrEnum):
             else self.value
 
 
-class Purpose(StrEnum):
-    """Why a transition exists (the plan's ``CollectiveEntry.purpose``)."""
+class Purpose(str, enum.Enum):
+    """Why a transition exists (the plan's ``CollectiveEntry.purpose``); a member is its
+    value, as a ``Collective`` is."""
 
     F = "f"  # a replicated tensor enters a region: sum its gradient
     G = "g"  # a partial sum leaves a region
@@ -104,6 +109,9 @@ class Purpose(StrEnum):
     SEQ_REGATHER = "seq_regather"  # a linear's gathered input gathered again in backward
     STAT = "stat"  # a reduction over a split dim: the ranks' partial results summed
     GATHER = "gather"  # a shard all-gathered for an op that cannot run on the parts
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,9 @@ op-name suffix.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field, replace
-from enum import StrEnum
-from typing import Callable, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 import torch.fx as fx
@@ -27,8 +27,9 @@ from ...torch_compat import OpOverload
 R = Replicate()
 
 
-class Role(StrEnum):
-    """What a node does in the Megatron strategy (the plan's ``Decision.role``)."""
+class Role(str, enum.Enum):
+    """What a node does in the Megatron strategy (the plan's ``Decision.role``). A member
+    is its value (``Role.ROW == "row"``, ``str(Role.ROW) == "row"``)."""
 
     LOCAL = "local"  # runs on this rank's part, no decision worth listing
     COLUMN = "column"  # opens a region: weight split on its output features
@@ -38,6 +39,9 @@ class Role(StrEnum):
     VOCAB_LOSS = "vocab_loss"
     REPLICATED = "replicated"  # an opener kept replicated (a conflict downstream)
     DISTRIBUTED = "distributed_reduce"  # reduces a split dim locally: output partial
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass
@@ -75,7 +79,7 @@ class Context:
     gradient."""
 
     dims: MeshSizes
-    rules: object  # RuleSet
+    rules: Any  # the RuleSet (planner/rules.py imports the kinds: no import of it here)
     whole: frozenset = frozenset()  # names of reductions not to run in distributed form
     needs_grad: dict = field(default_factory=dict)  # node -> does its value need a gradient
     dim: MeshDim = MeshDim.TP
