@@ -18,7 +18,9 @@ import sysconfig
 import threading
 import traceback
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -70,8 +72,10 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     check_inputs(model, args, kwargs)
     check_real(model)
     args, kwargs = _unaliased(args, kwargs)
+    cutting: contextlib.AbstractContextManager[dict] = \
+        _truncated(model) if truncate else contextlib.nullcontext({})
     with PLANNING_LOCK, preserved(model), _buffers_on_meta(model), capturable(model), \
-            _truncated(model) if truncate else contextlib.nullcontext({}) as cut:
+            cutting as cut:
         try:
             gm, shapes = _export(model, args, kwargs)
         except CaptureError:
@@ -159,7 +163,7 @@ def _export(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule
 def _no_kv_cache(model: nn.Module):
     """Hugging Face models return a key/value cache object by default; training has
     no use for it and export cannot return it, so it is off while capturing."""
-    config = getattr(model, "config", None)
+    config: Any = getattr(model, "config", None)
     cached = getattr(config, "use_cache", None)
     if cached:
         config.use_cache = False
@@ -174,7 +178,7 @@ def _auto_shapes(model: nn.Module, args: tuple, kwargs: dict) -> dict:
     """``Dim.AUTO`` for every dim of every tensor input, keyed by parameter name."""
     sig = inspect.signature(model.forward)
     bound = sig.bind(*args, **kwargs)
-    shapes = {}
+    shapes: dict[str, Any] = {}
     for name, value in bound.arguments.items():
         kind = sig.parameters[name].kind
         if kind == inspect.Parameter.VAR_POSITIONAL:
@@ -230,7 +234,7 @@ def _buffers_on_meta(model: nn.Module):
 
 
 @contextlib.contextmanager
-def _truncated(model: nn.Module):
+def _truncated(model: nn.Module) -> Iterator[dict[str, tuple[int, int]]]:
     """Temporarily keep the first ``KEPT`` blocks of every longer list of identical blocks."""
     cut: dict[str, tuple[int, int]] = {}
     saved = []

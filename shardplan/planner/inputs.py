@@ -50,8 +50,8 @@ def check_dtypes(gm: fx.GraphModule) -> None:
         if n is None:
             continue
         schema = node.target._schema.arguments
-        operands = [(schema[i].name, a, _val(a)) for i, a in enumerate(node.args[:n])
-                    if _val(a) is not None]
+        operands = [(schema[i].name, a, t) for i, a in enumerate(node.args[:n])
+                    if (t := _val(a)) is not None]
         if len({t.dtype for _, _, t in operands}) < 2:
             continue
         listed = ", ".join(f"{role} {_dtype_name(t.dtype)} ({_origin(a)})"
@@ -108,7 +108,7 @@ def _dtype_fix(gm: fx.GraphModule, operands) -> str:
     if any(not (t.is_floating_point() or t.is_complex()) for _, _, t in operands):
         return ("this op computes in floating point: pass floating-point inputs (x.float()); "
                 "integer inputs are token ids for an embedding")
-    params = {}
+    params: dict[torch.dtype, str] = {}
     for name, p in gm.named_parameters():
         params.setdefault(p.dtype, name)
     if len(params) > 1:

@@ -61,7 +61,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from ..layouts import MeshDim
+from ..layouts import Layout, MeshDim
 from .graph import hint
 
 
@@ -129,8 +129,8 @@ class Transition:
     purpose: Purpose
     src: fx.Node
     consumers: tuple[tuple[fx.Node, tuple | None], ...]
-    before: object  # Layout
-    after: object  # Layout
+    before: Layout
+    after: Layout
     forward: Collective
     backward: Collective
     messages: tuple[tuple[int, ...], ...] = ()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, cast
 
 import torch
 import torch.fx as fx
@@ -180,4 +180,4 @@ def local_size(size, lay: Shard, tp: int, divide: Divide):
     """A size argument of the sharded dim, for one rank (-1 stays -1)."""
     if isinstance(size, int):
         return size if size == -1 else lay.local_size(size, tp)
-    return divide(size, tp // lay.replicas)
+    return divide(size, tp // cast(int, lay.replicas))  # a traced size: one count, not blocks

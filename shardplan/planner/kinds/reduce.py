@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..graph import args_of, op_name, shape
+from ..graph import args_of, op_name, tensor_shape
 from ...layouts import Partial, Shard
 from .base import R, Context, Kind, Outcome, Conflict, Role, conflict, register, \
     tensor_to_tensor, any_sharded, with_dim
@@ -41,7 +41,7 @@ class ReduceKind(Kind):
             if p != (0,) and any_sharded(lays[p]):
                 return conflict(node, f"{op_name(node)} with a sharded secondary operand")
         spec = ctx.rules.reduce[op_name(node)]
-        rank = len(shape(node.args[0]))
+        rank = len(tensor_shape(node.args[0]))
         dims = self._dims(node, spec.dim, rank)
         if lay.dim in dims:
             if spec.distributed and node.name not in ctx.whole and not lay.padded \
