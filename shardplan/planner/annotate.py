@@ -40,7 +40,8 @@ from .blocks import split_first
 from .capture import GUARDS, module_of, source_of
 from ..errors import ConfigurationError, DivisibilityError, LayoutError, ShardplanError
 from ..layouts import MeshDim, MeshSizes, Partial, Replicate, Shard
-from .graph import args_of, describe, floating, hint, op_name, operand, operands, shape, tensor_shape
+from .graph import (args_of, describe, floating, hint, op_name, operand, operands, shape,
+                    tensor_shape)
 from .kinds import KINDS, Conflict, Context, Outcome, Role
 from .kinds.base import any_sharded, cumsum, replicated_like
 from .kinds.factors import labels
@@ -451,7 +452,8 @@ class _Pass:
         outcome = self._unflattened(node, ins) or self._rule(node, ins)
         if outcome.conflict:
             outcome.conflict.origins = outcome.conflict.origins or origins
-            outcome.conflict.gatherable = not (outcome.conflict.divisibility or outcome.conflict.closes) \
+            outcome.conflict.gatherable = \
+                not (outcome.conflict.divisibility or outcome.conflict.closes) \
                 and any(isinstance(self._read(a), Shard) for _, a in ins)
             self.conflicts.append(outcome.conflict)
             outcome = Outcome(replicated_like(node), rule="conflict")
@@ -461,7 +463,8 @@ class _Pass:
         self.outcomes[node] = outcome
         self.layouts[node] = outcome.out
         dims = self.seq_dims.get(node, ())
-        if isinstance(outcome.out, Partial) and len(dims) == 1 and outcome.role is not Role.DISTRIBUTED:
+        if isinstance(outcome.out, Partial) and len(dims) == 1 \
+                and outcome.role is not Role.DISTRIBUTED:
             self.scattered[node] = Shard(next(iter(dims)))
         if outcome.role is Role.COLUMN:
             origins = origins | {node}
@@ -602,7 +605,8 @@ class _Pass:
             r = max(r)  # the blocks a conflict saw are not this capture's
         reps = r if isinstance(r, tuple) else (r,) * len(blocks or [size])
         if any(b % (self.size // k) for b, k in zip(blocks or [size], reps)):
-            if blocks is None and self.rules.strategy.pad_vocabulary and _only_to_sinks(node, self.ctx):
+            if blocks is None and self.rules.strategy.pad_vocabulary \
+                    and _only_to_sinks(node, self.ctx):
                 padded = math.ceil(size / self.size) * self.size
             elif blocks is None and r == 1:
                 return _too_narrow(node, size, f"{self.dim}={self.size}")
@@ -640,7 +644,8 @@ class _Pass:
     def _vocab_loss(self, node, lays, spec: VocabLoss) -> Outcome:
         logits = lays.get((spec.logits,))
         weight = node.args[spec.weight] if len(node.args) > spec.weight else None
-        if not (isinstance(logits, Shard) and logits.dim == 1 and not logits.blocks) or weight is not None:
+        if not (isinstance(logits, Shard) and logits.dim == 1 and not logits.blocks) \
+                or weight is not None:
             return Outcome(None, conflict=Conflict(
                 node, "cross-entropy over logits not split along the classes"))
         return Outcome(R, {(spec.logits,): logits}, role=Role.VOCAB_LOSS,
@@ -668,7 +673,8 @@ def _kept_replicated(gm: fx.GraphModule, rules: RuleSet, keep: dict) -> dict:
         i = weights.get(op_name(node)) if node.op == "call_function" else None
         w = node.args[i] if i is not None and len(node.args) > i else None
         w = (viewed_parameter(w) or (w,))[0] if isinstance(w, fx.Node) else w
-        if isinstance(w, fx.Node) and w.op == "get_attr" and not isinstance(keep.get(w.target), Shard):
+        if isinstance(w, fx.Node) and w.op == "get_attr" \
+                and not isinstance(keep.get(w.target), Shard):
             out[node] = ("replicated, as in the model's first capture", False)
     return out
 
@@ -698,7 +704,8 @@ def _segments(node: fx.Node, dim: int, ctx: Context) -> tuple[int, ...] | None:
                     keeps_last_dim([hint(x) for x in tensor_shape(cur)], [hint(x) for x in ushape]):
                 frontier.append((user, len(ushape) - 1))
             elif kind == "reshape" and ushape and len(ushape) > d and \
-                    [hint(x) for x in tensor_shape(cur)[:d + 1]] == [hint(x) for x in ushape[:d + 1]]:
+                    [hint(x) for x in tensor_shape(cur)[:d + 1]] \
+                    == [hint(x) for x in ushape[:d + 1]]:
                 frontier.append((user, d))  # dims after d regrouped (bmm's [S, n, 1] squeezed)
             elif kind is not None and user.args and user.args[0] is cur:
                 bounds |= KINDS[kind].cuts(user, d)
@@ -714,7 +721,8 @@ def _only_to_sinks(node: fx.Node, ctx: Context) -> bool:
     loss = ctx.rules.strategy.vocab_loss
     for user in node.users:
         kind = ctx.kind_of(user)
-        if user.op == "output" or (loss and op_name(user) == loss.op) or kind in ("inspect", "size"):
+        if user.op == "output" or (loss and op_name(user) == loss.op) \
+                or kind in ("inspect", "size"):
             continue
         if kind in ("identity", "reshape", "slice") and _only_to_sinks(user, ctx):
             continue

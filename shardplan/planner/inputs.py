@@ -125,7 +125,8 @@ def check_model_arg(model, tp=None) -> None:
     """An unsharded ``nn.Module`` and, when given, a positive integer tp."""
     if not isinstance(model, nn.Module):
         raise ConfigurationError(f"expected a torch.nn.Module, got {type(model).__name__}",
-                                 fix="pass the model object (an nn.Module), not a function or class")
+                                 fix="pass the model object (an nn.Module), not a function or "
+                                     "class")
     if getattr(model, "is_parallelized", False):
         raise ConfigurationError("this model is already parallelized",
                                  where=type(model).__name__,

@@ -117,8 +117,9 @@ def check_estimate_arguments(*, batch, seq, examples: bool, dp, dp_replicate, dp
     and a size such as "80GB" read; a ``ConfigurationError`` naming the first bad one.
 
     ``batch`` and ``seq`` positive ints, given together and without example inputs
-    (``examples``); ``dp``, ``dp_replicate``, ``dp_shard`` positive ints or None; ``fsdp``, ``sequence_parallel`` and
-    ``recompute`` True or False; ``dtype`` one of ``DTYPES`` (or its name) or None;
+    (``examples``); ``dp``, ``dp_replicate``, ``dp_shard`` positive ints or None; ``fsdp``,
+    ``sequence_parallel`` and ``recompute`` True or False; ``dtype`` one of ``DTYPES`` (or
+    its name) or None;
     ``optimizer`` one of ``OPTIMIZER_BYTES`` or None; ``gpu_memory`` a positive number of
     bytes, a size (``parse_bytes``) or None.
     """

@@ -177,7 +177,8 @@ class Plan(BaseModel):
         return diff_plans(self, other)
 
     def to_dtensor_plan(self, **kw) -> dict:
-        """``{module FQN: ParallelStyle}`` for ``torch.distributed.tensor.parallel.parallelize_module``."""
+        """``{module FQN: ParallelStyle}`` for
+        ``torch.distributed.tensor.parallel.parallelize_module``."""
         from ..report.export import to_dtensor_plan
         return to_dtensor_plan(self, **kw)
 

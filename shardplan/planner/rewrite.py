@@ -189,16 +189,16 @@ class _Rewriter:
         group = self._group_of(t)
         if t.purpose is Purpose.SPLIT:
             with self.graph.inserting_before(consumer):
-                return self.graph.call_module(
-                    self._module("shard", LocalShard(cast(Shard, t.after), group.rank, group.size)), (value,))
+                shard = LocalShard(cast(Shard, t.after), group.rank, group.size)
+                return self.graph.call_module(self._module("shard", shard), (value,))
         key = (t.src, t.purpose)
         if key not in self.shared:
             if t.purpose in (Purpose.F, Purpose.SEQ_GRAD):
                 mod = self._module("f" if t.purpose is Purpose.F else "seq_grad",
                                    CopyToRegion(group, self._site(t.src)))
             elif t.purpose is Purpose.SEQ_GATHER:
-                mod = self._module("seq_gather",
-                                   GatherSequence(group, cast(Shard, t.before).dim, self._site(t.src)))
+                mod = self._module("seq_gather", GatherSequence(
+                    group, cast(Shard, t.before).dim, self._site(t.src)))
             elif t.purpose in (Purpose.SEQ_UNSHARD, Purpose.GATHER):
                 before = cast(Shard, t.before)
                 mod = self._module(t.purpose.value, GatherShard(
@@ -355,9 +355,9 @@ class _Rewriter:
         args = args_of(node)
         arg = lambda i: args[names[i]]  # noqa: E731
         loss = VocabCrossEntropy(
-            self._group_of(self.losses[orig]), vocab_size=tensor_shape(arg(spec.logits))[1], reduction=arg(spec.reduction),
-            ignore_index=arg(spec.ignore_index), label_smoothing=arg(spec.label_smoothing) or 0.0,
-            site=self._site(node))
+            self._group_of(self.losses[orig]), vocab_size=tensor_shape(arg(spec.logits))[1],
+            reduction=arg(spec.reduction), ignore_index=arg(spec.ignore_index),
+            label_smoothing=arg(spec.label_smoothing) or 0.0, site=self._site(node))
         with self.graph.inserting_before(node):
             new = self.graph.call_module(self._module("vocab_loss", loss),
                                          (arg(spec.logits), arg(spec.target)))

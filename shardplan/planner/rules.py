@@ -182,8 +182,8 @@ def _check_version(version, where: str) -> None:
         raise RuleError(f"rule file of version {version}; this shardplan reads version "
                         f"{' or '.join(map(str, VERSIONS))}", where=where,
                         fix="write the rules for a supported version (compare with the bundled "
-                            "shardplan/rules/megatron.toml), or use the shardplan release they were "
-                            "written for")
+                            "shardplan/rules/megatron.toml), or use the shardplan release they "
+                            "were written for")
 
 
 def _check(rules: RuleSet, where: str) -> None:

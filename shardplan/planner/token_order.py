@@ -188,8 +188,9 @@ def _token_wise_op(node: fx.Node) -> bool:
     if node.target is operator.getitem or node.target is aten.linear.default:
         return True
     tags = getattr(node.target, "tags", ())
+    # not an in-place op: its input is seen
     return (torch.Tag.pointwise in tags and torch.Tag.nondeterministic_seeded not in tags
-            and not cast(OpOverload, node.target)._schema.is_mutable)  # an in-place op: its input is seen
+            and not cast(OpOverload, node.target)._schema.is_mutable)
 
 
 def _operands_fit(node: fx.Node, inside: set) -> bool:

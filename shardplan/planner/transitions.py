@@ -31,17 +31,19 @@ rows, not a code path: a partial result leaving a region is reduce-scattered
 along the sequence instead of all-reduced, the ops between regions run on
 this rank's tokens, and a region's replicated input is all-gathered from
 them (``SEQ_UNSHARD`` where an op that is no region needs the whole
-sequence: its gradient is whole on every rank). ``SEQ_GRAD`` is ``F``'s collective for a replicated tensor read by
-sequence-sharded ops (a norm's weight, a position embedding): each rank's
-gradient covers only its tokens, so it is summed over the ranks, once.
-``SEQ_GRAD_BUCKET`` is the ``SEQ_GRAD``s of the parameters (norms' weights and
-biases, row biases) and of a position embedding's output in one flat all-reduce, run when the last of their
-gradients is ready (Megatron buckets them too): one per step, or one per block
-where recomputation or FSDP run the graph block by block; ``sources`` are the
-parameters, ``messages`` one flat buffer. ``SEQ_REGATHER``: the linears
-reading a ``SEQ_GATHER`` keep only this rank's tokens for backward and
-all-gather them again, once for all of them, for their weights' gradients,
-so the gathered input is not held until backward (Megatron's choice).
+sequence: its gradient is whole on every rank). ``SEQ_GRAD`` is ``F``'s
+collective for a replicated tensor read by sequence-sharded ops (a norm's
+weight, a position embedding): each rank's gradient covers only its tokens,
+so it is summed over the ranks, once.
+``SEQ_GRAD_BUCKET`` is the ``SEQ_GRAD``s of the parameters (norms' weights
+and biases, row biases) and of a position embedding's output in one flat
+all-reduce, run when the last of their gradients is ready (Megatron buckets
+them too): one per step, or one per block where recomputation or FSDP run
+the graph block by block; ``sources`` are the parameters, ``messages`` one
+flat buffer. ``SEQ_REGATHER``: the linears reading a ``SEQ_GATHER`` keep
+only this rank's tokens for backward and all-gather them again, once for all
+of them, for their weights' gradients, so the gathered input is not held
+until backward (Megatron's choice).
 ``STAT`` is ``G`` for a reduction over a split dim (a norm's mean of squares
 over all heads): each rank reduces its part, and the small result (b*s
 numbers) is summed; where the whole statistic then meets the parts again,

@@ -41,7 +41,8 @@ def einsum_labels(node, eq: str) -> dict | None:
     if len(specs) != len(tensors):
         return None
     lab: dict[tuple | str, list[str] | None] = {
-        (1, j): expand_labels(s, len(tensor_shape(t))) for j, (s, t) in enumerate(zip(specs, tensors))}
+        (1, j): expand_labels(s, len(tensor_shape(t)))
+        for j, (s, t) in enumerate(zip(specs, tensors))}
     lab["out"] = expand_labels(out, len(tensor_shape(node)))
     if any(v is None or len(v) != len(tensor_shape(node if p == "out" else tensors[p[1]]))
            for p, v in lab.items()):

@@ -40,8 +40,9 @@ class ElementwiseKind(Kind):
     def rule(self, node, lays, ctx: Context) -> Outcome:
         # [B, T, C] + [C]: dims named from the right, d0 d1 d2 + d2
         out_rank = len(shape(node) or ())
-        lab: dict[tuple | str, list[str]] = {p: [f"d{out_rank - len(tensor_shape(a)) + i}" for i in range(len(tensor_shape(a)))]
-               for p, a in operands(node) if shape(a) is not None}
+        lab: dict[tuple | str, list[str]] = {
+            p: [f"d{out_rank - len(tensor_shape(a)) + i}" for i in range(len(tensor_shape(a)))]
+            for p, a in operands(node) if shape(a) is not None}
         lab["out"] = [f"d{i}" for i in range(out_rank)]
         return factor_rule(node, lays, lab, ctx.size, partial_ok=False, shardable=None,
                            rule="elementwise")
@@ -149,4 +150,5 @@ def factor_rule(node, lays, labels, tp, *, partial_ok, shardable, rule) -> Outco
             bias = p
     is_row = any(operand(node, p).op == "get_attr" or viewed_parameter(operand(node, p))
                  for p, n in needs.items() if isinstance(n, Shard))
-    return Outcome(Partial(), needs, role=Role.ROW if is_row else Role.PARTIAL, rule=rule, bias=bias)
+    return Outcome(Partial(), needs, role=Role.ROW if is_row else Role.PARTIAL, rule=rule,
+                   bias=bias)

@@ -49,7 +49,8 @@ class IndexKind(Kind):
             return conflict(node, "indexed dims apart from each other (their result moves first)")
         if lay.dim < hit[0]:
             return Outcome(lay, {p: R for p in lays if p != (0,)}, rule="index (other dims)")
-        added = len(tensor_shape(node)) - len(tensor_shape(node.args[0]))  # index dims in, indexed dims out
+        # index dims in, indexed dims out
+        added = len(tensor_shape(node)) - len(tensor_shape(node.args[0]))
         return Outcome(with_dim(lay, lay.dim + added), {p: R for p in lays if p != (0,)},
                        rule="index (other dims)")
 

@@ -54,7 +54,8 @@ def viewed_parameter(node: fx.Node) -> tuple[fx.Node, list] | None:
     if src.op != "get_attr":
         return None
     if op_name(node) in PERMUTATIONS:
-        return src, [dims[d] for d in PERMUTATIONS[op_name(node)](args_of(node), len(tensor_shape(node)))]
+        perm = PERMUTATIONS[op_name(node)](args_of(node), len(tensor_shape(node)))
+        return src, [dims[d] for d in perm]
     index = args_of(node).get("indices") if op_name(node) == "aten.index.Tensor" else None
     if index and len(index) == 1 and isinstance(index[0], fx.Node) and shape(index[0]):
         return src, [None] * len(tensor_shape(index[0])) + dims[1:]
@@ -72,7 +73,8 @@ def experts_view(node: fx.Node) -> tuple[fx.Node, int] | None:
     src = node.args[0]
     sizes = list(cast(list, node.args[1])) if len(node.args) > 1 else []
     if not (isinstance(src, fx.Node) and src.op == "get_attr") or len(sizes) != 3 \
-            or sizes[1] != -1 or len(tensor_shape(src)) != 2 or tensor_shape(node)[2] != tensor_shape(src)[1] \
+            or sizes[1] != -1 or len(tensor_shape(src)) != 2 \
+            or tensor_shape(node)[2] != tensor_shape(src)[1] \
             or not all(op_name(u) in PERMUTATIONS or op_name(u) == "aten.index.Tensor"
                        for u in node.users):
         return None

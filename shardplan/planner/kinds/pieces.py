@@ -44,7 +44,8 @@ class SplitKind(Kind):
         return Outcome(out, rule="split (sharded dim, by blocks)")
 
     def cuts(self, node, dim) -> set[int]:
-        if op_name(node) in _DROPS_DIM or args_of(node)["dim"] % len(tensor_shape(node.args[0])) != dim:
+        if op_name(node) in _DROPS_DIM \
+                or args_of(node)["dim"] % len(tensor_shape(node.args[0])) != dim:
             return set()
         return set(cumsum(hint(v.shape[dim]) for v in node.meta["val"]))
 
@@ -87,7 +88,8 @@ class SliceKind(Kind):
         return Outcome(piece, rule="slice (sharded dim, whole blocks)")
 
     def cuts(self, node, dim) -> set[int]:
-        if op_name(node) in _DROPS_DIM or args_of(node)["dim"] % len(tensor_shape(node.args[0])) != dim:
+        if op_name(node) in _DROPS_DIM \
+                or args_of(node)["dim"] % len(tensor_shape(node.args[0])) != dim:
             return set()
         start, stop = _range(node, hint(tensor_shape(node.args[0])[dim]))
         return set() if start is None else {start, stop}

@@ -30,13 +30,15 @@ class ReduceKind(Kind):
         and ``topk``'s values and indices)."""
         rets = op._schema.returns
         return tensor_to_tensor(op) or (
-            bool(op._schema.arguments) and isinstance(op._schema.arguments[0].type, torch.TensorType)
+            bool(op._schema.arguments)
+            and isinstance(op._schema.arguments[0].type, torch.TensorType)
             and bool(rets) and all(isinstance(r.type, torch.TensorType) for r in rets))
 
     def rule(self, node, lays, ctx: Context) -> Outcome:
         lay = lays[(0,)]
         if not isinstance(lay, Shard):
-            return conflict(node, f"{op_name(node)} on a tensor sharded only in a secondary operand")
+            return conflict(node,
+                            f"{op_name(node)} on a tensor sharded only in a secondary operand")
         for p in lays:
             if p != (0,) and any_sharded(lays[p]):
                 return conflict(node, f"{op_name(node)} with a sharded secondary operand")

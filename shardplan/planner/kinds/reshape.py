@@ -65,7 +65,8 @@ class ReshapeKind(Kind):
         """A fused output viewed with its pieces as a new major dim that is then taken
         apart (``qkv.view(B, T, 3, H, D)``, then ``unbind``/index along the 3): the
         pieces' edges, so the column shard is blocked ``[q_r | k_r | v_r]``."""
-        src, dst = [hint(x) for x in tensor_shape(node.args[0])], [hint(x) for x in tensor_shape(node)]
+        src = [hint(x) for x in tensor_shape(node.args[0])]
+        dst = [hint(x) for x in tensor_shape(node)]
         for (a, b), (c, e) in reshape_groups(src, dst) or []:
             if (a, b) == (dim, dim + 1) and e - c >= 2 and dst[c] > 1:
                 piece = src[dim] // dst[c]
@@ -220,7 +221,8 @@ def _one_head_split(node, lay: Shard, res: Shard, ctx: Context) -> bool:
     h = res.dim - 1
     if h < 0 or dst[h] != 1 or lay.blocks or lay.padded:
         return False
-    group = next(((a, b), (c, e)) for (a, b), (c, e) in reshape_groups(src, dst) if a <= lay.dim < b)
+    group = next(((a, b), (c, e)) for (a, b), (c, e) in reshape_groups(src, dst)
+                 if a <= lay.dim < b)
     return group[1][0] <= h and _broadcast_later(node, h, ctx)
 
 
@@ -259,7 +261,8 @@ def _broadcast_later(node, d: int, ctx: Context) -> bool:
                     return True
                 frontier.append((user, e))
             elif kind == "permute":
-                frontier.append((user, PERMUTATIONS[op_name(user)](args_of(user), len(out)).index(d)))
+                perm = PERMUTATIONS[op_name(user)](args_of(user), len(out))
+                frontier.append((user, perm.index(d)))
             elif kind == "reshape":
                 groups = reshape_groups(src, out) or []
                 frontier.extend((user, c) for (a, b), (c, e) in groups
@@ -290,7 +293,8 @@ def _cut_points(node, d: int) -> set[int]:
     for user in node.users:
         name = op_name(user) if user.op == "call_function" else ""
         if name in PERMUTATIONS:
-            out |= _cut_points(user, PERMUTATIONS[name](args_of(user), len(tensor_shape(user))).index(d))
+            perm = PERMUTATIONS[name](args_of(user), len(tensor_shape(user)))
+            out |= _cut_points(user, perm.index(d))
         elif name == "aten.index.Tensor" and user.args[0] is node:
             idx = list(args_of(user)["indices"])
             at = constant_index(idx[d]) if d < len(idx) and idx[d] is not None else None
