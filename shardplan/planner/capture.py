@@ -78,7 +78,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     share = shared_capture.active()
     with PLANNING_LOCK:  # another thread may be capturing this very model object
         found = shared_capture.key(model, args, kwargs, truncate) if share else None
-        if found is None:
+        if share is None or found is None:
             return _capture(model, args, kwargs, truncate)
         key, tensors = found
         captured = share.lookup(key, tensors)
