@@ -21,8 +21,6 @@ import sys
 import warnings
 from pathlib import Path
 
-import torch
-
 from .errors import ShardplanError, TargetError
 from .models import PRESETS
 from .targets import build_target

@@ -79,7 +79,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
     next_logits = _Recompute(model, takes, masked) if step is None else \
         _Cached(step, input_ids.shape, max_new_tokens)
     with torch.no_grad():
-        for i in range(max_new_tokens):
+        for _ in range(max_new_tokens):
             scores = next_logits(ids, mask)
             scores = (scores if gather is None else gather(scores)).to(torch.float32)
             token = _pick(scores, do_sample, opts, generator, group)

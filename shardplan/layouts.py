@@ -40,6 +40,7 @@ import enum
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any, TypeGuard
 
 import torch
 
@@ -115,9 +116,10 @@ class Shard(Placement):
             object.__setattr__(self, "blocks", tuple(self.blocks))
         if isinstance(self.replicas, (tuple, list)):
             reps = tuple(self.replicas)
-            if reps and len(set(reps)) == 1 and (self.blocks is None or len(reps) == len(self.blocks)):
-                reps = reps[0]  # one count for every block: the plain form
-            object.__setattr__(self, "replicas", reps)
+            # one count for every block: the plain form
+            plain = reps and len(set(reps)) == 1 and (self.blocks is None
+                                                      or len(reps) == len(self.blocks))
+            object.__setattr__(self, "replicas", reps[0] if plain else reps)
         bad = [f for f, ok in (("dim", _is_int(self.dim)),
                                ("blocks", self.blocks is None or (
                                    len(self.blocks) > 0 and all(_is_int(b) and b > 0
@@ -133,9 +135,9 @@ class Shard(Placement):
                                    and sum(self.blocks or [self.period]) == self.period)))
                if not ok]
         if bad:
-            raise LayoutError(f"Shard({self.dim!r}, blocks={self.blocks!r}, padded={self.padded!r}, "
-                              f"replicas={self.replicas!r}, period={self.period!r}) has an "
-                              f"invalid {' and '.join(bad)}",
+            raise LayoutError(f"Shard({self.dim!r}, blocks={self.blocks!r}, "
+                              f"padded={self.padded!r}, replicas={self.replicas!r}, "
+                              f"period={self.period!r}) has an invalid {' and '.join(bad)}",
                               fix="dim is an int; blocks a non-empty tuple of positive ints or "
                                   "None; padded a positive int or None; replicas >= 1; period "
                                   "None or the blocks' sum, not padded")
@@ -143,7 +145,8 @@ class Shard(Placement):
     @classmethod
     def _parse(cls, text: str) -> Shard:
         m = _SHARD.fullmatch(text)
-        fields: dict = {}
+        fields: dict[str, Any] = {}  # Shard's keyword arguments
+        value: int | tuple[int, ...]
         for part in (m.group(2).split("|")[1:] if m else ()):
             if re.fullmatch(r"pad\d+", part):
                 key, value = "padded", int(part[3:])
@@ -176,7 +179,7 @@ class Shard(Placement):
             extra += "|" + "+".join(map(str, self.blocks))
         if self.padded:
             extra += f"|pad{self.padded}"
-        if self.blocked_replicas:
+        if isinstance(self.replicas, tuple):  # blocked_replicas, spelled so the type narrows
             extra += "|x" + "+".join(map(str, self.replicas))
         elif self.replicas > 1:
             extra += f"|x{self.replicas}"
@@ -188,7 +191,7 @@ class Shard(Placement):
         d = {"type": "shard", "dim": self.dim,
              "blocks": list(self.blocks) if self.blocks else None,
              "padded": self.padded,
-             "replicas": list(self.replicas) if self.blocked_replicas else self.replicas}
+             "replicas": list(self.replicas) if isinstance(self.replicas, tuple) else self.replicas}
         return {**d, "period": self.period} if self.period else d
 
     @property
@@ -198,16 +201,16 @@ class Shard(Placement):
 
     def block_replicas(self) -> tuple[int, ...]:
         """The ranks holding each part, per block (one entry for an unblocked shard)."""
-        if self.blocked_replicas:
+        if isinstance(self.replicas, tuple):
             return self.replicas
         return (self.replicas,) * len(self.blocks or (None,))
 
     def local_blocks(self, tp: int) -> tuple[int, ...]:
-        """Each block's size on one rank."""
-        return tuple(b * r // tp for b, r in zip(self.blocks, self.block_replicas()))
+        """Each block's size on one rank (of a blocked shard)."""
+        return tuple(b * r // tp for b, r in zip(self.blocks or (), self.block_replicas()))
 
     def local_size(self, full: int, tp: int) -> int:
-        if self.blocked_replicas:
+        if isinstance(self.replicas, tuple):
             return sum(self.local_blocks(tp))
         return (self.padded or full) * self.replicas // tp
 
@@ -235,7 +238,7 @@ class Shard(Placement):
             runs = [p.unflatten(d, (-1, local)) for p in parts]
             return inner.unshard(runs, self.period, copy).flatten(d, d + 1)
         tp = len(parts)
-        if self.blocked_replicas:  # block i from ranks c, c + r_i, c + 2 r_i, ...
+        if isinstance(self.replicas, tuple):  # block i from ranks c, c + r_i, c + 2 r_i, ...
             pieces = [p.split(list(self.local_blocks(tp)), self.dim) for p in parts]
             return torch.cat([torch.cat([pc[i] for pc in pieces[copy % r::r]], self.dim)
                               for i, r in enumerate(self.replicas)], self.dim)
@@ -253,7 +256,7 @@ class Shard(Placement):
 Layout = Replicate | Shard | Partial
 
 
-def _is_int(v) -> bool:
+def _is_int(v) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -301,7 +304,7 @@ class MeshSizes(Mapping):
 
     @classmethod
     def of(cls, **sizes: int) -> MeshSizes:
-        return cls(tuple(sizes.items()))
+        return cls(tuple((_mesh_dim(name), n) for name, n in sizes.items()))
 
     def __getitem__(self, dim: MeshDim | str) -> int:
         for d, n in self.sizes:

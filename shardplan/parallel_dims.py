@@ -39,10 +39,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from .errors import ConfigurationError
 from .layouts import MeshDim, MeshLayout, Placement, Replicate
 from .runtime.comm import Group, TorchGroup
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 #: the parallel dimensions, outer to inner
 ORDER = tuple(MeshDim)
@@ -69,7 +73,7 @@ class ParallelDims:
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
-    mesh: object = field(default=None, compare=False, repr=False)
+    mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
     #: (dimension, its name in ``mesh``) of each dimension the mesh has, outer to inner
     mesh_names: tuple[tuple[MeshDim, str], ...] = field(default=(), compare=False, repr=False)
 
@@ -99,10 +103,11 @@ class ParallelDims:
                 _check_size(name, v)
         rest = next((name for name, v in sizes.items() if v is None), None)
         fixed = pp * cp * math.prod(v for v in sizes.values() if v is not None)
-        sizes = {name: 1 if v is None else v for name, v in sizes.items()}
+        given = {name: 1 if v is None else v for name, v in sizes.items()}
         if rest is not None:
-            sizes[rest] = max(1, world_size // fixed)
-        dims = cls(pp=pp, cp=cp, **sizes)
+            given[rest] = max(1, world_size // fixed)
+        dims = cls(pp=pp, dp_replicate=given["dp_replicate"], dp_shard=given["dp_shard"], cp=cp,
+                   tp=given["tp"])
         dims.check_world(world_size)
         return dims
 
@@ -128,11 +133,11 @@ class ParallelDims:
         "tp" among them, outer to inner (or the ``("dp", "tp")`` of before HSDP; its "dp"
         is ``dp_shard`` with ``fsdp``, else ``dp_replicate``)."""
         names = tuple(mesh.mesh_dim_names or ())
-        dims = [_as_dim(n, fsdp) for n in names]
-        order = [ORDER.index(d) for d in dims if d is not None]
+        dims = [d for d in (_as_dim(n, fsdp) for n in names) if d is not None]
+        order = [ORDER.index(d) for d in dims]
         mixed = LEGACY_DP in names and any(d.value in names for d in DATA_PARALLEL)
-        if MeshDim.TP.value not in names or None in dims or order != sorted(set(order)) \
-                or mixed:
+        if MeshDim.TP.value not in names or len(dims) != len(names) \
+                or order != sorted(set(order)) or mixed:
             raise ConfigurationError(
                 f"the device mesh has dimensions {list(names) or '(unnamed)'}; shardplan needs "
                 f"a 'tp' dimension and knows only {[d.value for d in ORDER]}, in that order "
@@ -188,16 +193,18 @@ class ParallelDims:
         """``dim``'s name in the mesh; None if the mesh has no such dimension."""
         return next((n for d, n in self.mesh_names if d is dim), None)
 
-    def _need_mesh(self) -> None:
+    def _need_mesh(self) -> DeviceMesh:
         if self.mesh is None:
             raise ConfigurationError("these ParallelDims have no device mesh",
-                                     where="ParallelDims", fix="call .with_mesh(device_type) "
-                                                               "or use ParallelDims.from_mesh(mesh)")
+                                     where="ParallelDims",
+                                     fix="call .with_mesh(device_type) or use "
+                                         "ParallelDims.from_mesh(mesh)")
+        return self.mesh
 
     def group(self, dim: MeshDim) -> Group:
         """This rank's shardplan ``Group`` along ``dim`` (its ``.pg`` is the
         ``torch.distributed`` process group)."""
-        self._need_mesh()
+        mesh = self._need_mesh()
         dim = MeshDim(dim)
         name = self._name(dim)
         if name is None:
@@ -205,7 +212,7 @@ class ParallelDims:
                 f"the device mesh has no {dim.value!r} dimension (size {self.size(dim)}), only "
                 f"{[n for _, n in self.mesh_names]}", where="ParallelDims",
                 fix=f"check the size first (dims.{dim.value} > 1), or build the mesh with it")
-        return TorchGroup(self.mesh.get_group(name))
+        return TorchGroup(mesh.get_group(name))
 
     @property
     def tp_group(self) -> Group:
@@ -221,11 +228,11 @@ class ParallelDims:
     def dp_rank(self) -> int:
         """This rank's place among the ``dp`` data-parallel ranks (replica-major), which
         picks its rows of the global batch."""
-        self._need_mesh()
+        mesh = self._need_mesh()
         rank = 0
         for d in DATA_PARALLEL:
             name = self._name(d)
-            rank = rank * self.size(d) + (self.mesh.get_local_rank(name) if name else 0)
+            rank = rank * self.size(d) + (mesh.get_local_rank(name) if name else 0)
         return rank
 
     @property
@@ -233,14 +240,14 @@ class ParallelDims:
         """The data-parallel sub-mesh FSDP2 shards over: ``(dp_replicate, dp_shard)``
         (hybrid sharding: shards over dp_shard, replicas along dp_replicate) when the mesh
         has replicas, else ``dp_shard`` alone."""
-        self._need_mesh()
+        mesh = self._need_mesh()
         shard, replicate = self._name(MeshDim.DP_SHARD), self._name(MeshDim.DP_REPLICATE)
         if shard is None:
             raise ConfigurationError(
                 f"fsdp needs a device mesh with a 'dp_shard' dimension (FSDP2's shards), got "
                 f"{[n for _, n in self.mesh_names]}", where="parallelize",
                 fix="pass mesh=ParallelDims(tp=..., dp_shard=...).with_mesh(device).mesh")
-        return self.mesh[(replicate, shard)] if replicate else self.mesh[shard]
+        return mesh[(replicate, shard)] if replicate else mesh[shard]
 
 
 def _as_dim(name: str, fsdp: bool) -> MeshDim | None:

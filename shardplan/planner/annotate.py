@@ -31,6 +31,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field, replace
+from typing import cast
 
 import torch
 import torch.fx as fx
@@ -39,7 +40,8 @@ from .blocks import split_first
 from .capture import GUARDS, module_of, source_of
 from ..errors import ConfigurationError, DivisibilityError, LayoutError, ShardplanError
 from ..layouts import MeshDim, MeshSizes, Partial, Replicate, Shard
-from .graph import args_of, describe, floating, hint, op_name, operand, operands, shape
+from .graph import (args_of, describe, floating, hint, op_name, operand, operands, shape,
+                    tensor_shape)
 from .kinds import KINDS, Conflict, Context, Outcome, Role
 from .kinds.base import any_sharded, cumsum, replicated_like
 from .kinds.factors import labels
@@ -51,7 +53,7 @@ from .reshape import keeps_last_dim
 from .split_params import split_parameter
 from .decompose import decomposable, decompose
 from .choices import ORDER, DISTRIBUTED, GATHERED, REPLICATED, Choice, cost_of
-from .rules import RuleSet
+from .rules import RuleSet, VocabEmbedding, VocabLoss
 from .transitions import Collective, Purpose, Transition, dtype_of, message
 
 R = Replicate()
@@ -143,7 +145,7 @@ def annotate(gm: fx.GraphModule, dims: MeshSizes, rules: RuleSet, *, strict: boo
     settle = lambda g, whole, gather: _settle(  # noqa: E731
         g, dims, rules, strict, sequence_parallel, keep, whole, gather)
     whole = _reductions(gm, rules)  # names of the reductions kept whole (all, to start)
-    gather = frozenset()  # names of the ops whose split operands are all-gathered
+    gather: frozenset[str] = frozenset()  # names of the ops whose split operands are all-gathered
     ann = settle(gm, whole, gather)
     for _ in gm.graph.nodes:  # x + P1 + P2 as x + (P1 + P2): one g; at most one a node
         if sequence_parallel or not regroup(gm, ann.layouts, rules.strategy.partial_through):
@@ -365,21 +367,21 @@ def _merge(have, want):
 def _blocks_read(node: fx.Node, opener: fx.Node, ann: Annotation) -> range | None:
     """Which blocks of ``opener``'s output ``node``'s first operand is made of: the piece a
     slice or split along the blocked dim took, followed up the chain of first operands."""
-    cur = node
+    cur: fx.node.Argument = node
     while isinstance(cur, fx.Node) and cur is not opener and cur.args:
         src = cur.args[0]
         if not isinstance(src, fx.Node):
             return None
         kind = ann.rules.kind(op_name(src if op_name(cur) == "getitem" else cur))
         if op_name(cur) == "getitem" and kind == "split" and op_name(src) != "aten.unbind.int":
-            piece, cutter = cur.args[1], src
+            piece, cutter = cast(int, cur.args[1]), src
         elif kind == "slice" and op_name(cur) != "aten.select.int":
             piece, cutter = None, cur
         else:
             cur = src
             continue
         lay = ann.layouts.get(cutter.args[0])
-        dim = args_of(cutter)["dim"] % len(shape(cutter.args[0]))
+        dim = args_of(cutter)["dim"] % len(tensor_shape(cast(fx.Node, cutter.args[0])))
         if not (isinstance(lay, Shard) and lay.blocks and lay.dim == dim):
             cur = cutter.args[0]
             continue
@@ -459,7 +461,8 @@ class _Pass:
         outcome = self._unflattened(node, ins) or self._rule(node, ins)
         if outcome.conflict:
             outcome.conflict.origins = outcome.conflict.origins or origins
-            outcome.conflict.gatherable = not (outcome.conflict.divisibility or outcome.conflict.closes) \
+            outcome.conflict.gatherable = \
+                not (outcome.conflict.divisibility or outcome.conflict.closes) \
                 and any(isinstance(self._read(a), Shard) for _, a in ins)
             self.conflicts.append(outcome.conflict)
             outcome = Outcome(replicated_like(node), rule="conflict")
@@ -469,7 +472,8 @@ class _Pass:
         self.outcomes[node] = outcome
         self.layouts[node] = outcome.out
         dims = self.seq_dims.get(node, ())
-        if isinstance(outcome.out, Partial) and len(dims) == 1 and outcome.role is not Role.DISTRIBUTED:
+        if isinstance(outcome.out, Partial) and len(dims) == 1 \
+                and outcome.role is not Role.DISTRIBUTED:
             self.scattered[node] = Shard(next(iter(dims)))
         if outcome.role is Role.COLUMN:
             origins = origins | {node}
@@ -486,7 +490,7 @@ class _Pass:
                     and a.op != "get_attr" and viewed_parameter(a) is None:
                 found = split_parameter(a, need, self.params, self.ctx)
                 param = next((n for n in found or () if n.op == "get_attr"), None)
-                if param is not None and param not in self.disabled:
+                if found is not None and param is not None and param not in self.disabled:
                     self.wanted.update({n: (lay, param) for n, lay in found.items()})
             view = viewed_parameter(a)
             if view is not None:
@@ -517,7 +521,7 @@ class _Pass:
         if not self.seq_dims or len(self.seq_dims.get(node, ())) != 1 or not ins \
                 or self.rules.kind(op_name(node)) != "reshape":
             return None
-        a = node.args[0]
+        a = cast(fx.Node, node.args[0])
         if not isinstance(self.layouts.get(a), Partial) or a in self.seq_dims \
                 or len(a.users) != 1:
             return None
@@ -571,16 +575,18 @@ class _Pass:
                 opened = self._open_column(node, name)
                 if opened:
                     return opened
-            if strat.vocab_embedding and name == strat.vocab_embedding.op and node not in self.disabled:
-                opened = self._open_vocab(node)
+            if strat.vocab_embedding and name == strat.vocab_embedding.op \
+                    and node not in self.disabled:
+                opened = self._open_vocab(node, strat.vocab_embedding)
                 if opened:
                     return opened
             return Outcome(replicated_like(node), rule="replicated inputs")
         if name == "getitem":
             src = self.layouts[node.args[0]]
-            return Outcome(src[node.args[1]] if isinstance(src, tuple) else src, rule="getitem")
+            return Outcome(src[cast(int, node.args[1])] if isinstance(src, tuple) else src,
+                           rule="getitem")
         if strat.vocab_loss and name == strat.vocab_loss.op:
-            return self._vocab_loss(node, lays)
+            return self._vocab_loss(node, lays, strat.vocab_loss)
         kind = self.rules.kind(name)
         if kind is None:
             return Outcome(None, conflict=Conflict(node, f"no rule for {name} on a sharded input"))
@@ -602,7 +608,7 @@ class _Pass:
         if view and view[1][wdim] is None:  # the factor is the gathered rows' index
             return None
         odim = lab["out"].index(spec.factor)
-        size = hint(shape(node)[odim])
+        size = hint(tensor_shape(node)[odim])
         blocks = _segments(node, odim, self.ctx)
         padded = None
         r = self.replicas.get(node, 1)
@@ -610,7 +616,8 @@ class _Pass:
             r = max(r)  # the blocks a conflict saw are not this capture's
         reps = r if isinstance(r, tuple) else (r,) * len(blocks or [size])
         if any(b % (self.size // k) for b, k in zip(blocks or [size], reps)):
-            if blocks is None and self.rules.strategy.pad_vocabulary and _only_to_sinks(node, self.ctx):
+            if blocks is None and self.rules.strategy.pad_vocabulary \
+                    and _only_to_sinks(node, self.ctx):
                 padded = math.ceil(size / self.size) * self.size
             elif blocks is None and r == 1:
                 return _too_narrow(node, size, f"{self.dim}={self.size}")
@@ -630,12 +637,11 @@ class _Pass:
             else f", each part on {r} ranks" if r > 1 else "")
         return Outcome(shard(odim), needs, role=Role.COLUMN, rule=rule)
 
-    def _open_vocab(self, node) -> Outcome | None:
-        spec = self.rules.strategy.vocab_embedding
+    def _open_vocab(self, node, spec: VocabEmbedding) -> Outcome | None:
         w, idx = node.args[spec.weight], node.args[spec.indices]
         if not (isinstance(w, fx.Node) and w.op == "get_attr" and w.target in self.params):
             return None
-        rows, cols = shape(w)
+        rows, cols = tensor_shape(w)
         if rows < spec.min_rows_per_column * cols or not _from_input(idx, self.ctx):
             return None
         padded = None
@@ -646,11 +652,11 @@ class _Pass:
         return Outcome(Partial(), {(spec.weight,): Shard(0, None, padded)},
                        role=Role.VOCAB_EMBEDDING, rule="vocab-parallel embedding")
 
-    def _vocab_loss(self, node, lays) -> Outcome:
-        spec = self.rules.strategy.vocab_loss
+    def _vocab_loss(self, node, lays, spec: VocabLoss) -> Outcome:
         logits = lays.get((spec.logits,))
         weight = node.args[spec.weight] if len(node.args) > spec.weight else None
-        if not (isinstance(logits, Shard) and logits.dim == 1 and not logits.blocks) or weight is not None:
+        if not (isinstance(logits, Shard) and logits.dim == 1 and not logits.blocks) \
+                or weight is not None:
             return Outcome(None, conflict=Conflict(
                 node, "cross-entropy over logits not split along the classes"))
         return Outcome(R, {(spec.logits,): logits}, role=Role.VOCAB_LOSS,
@@ -678,7 +684,8 @@ def _kept_replicated(gm: fx.GraphModule, rules: RuleSet, keep: dict) -> dict:
         i = weights.get(op_name(node)) if node.op == "call_function" else None
         w = node.args[i] if i is not None and len(node.args) > i else None
         w = (viewed_parameter(w) or (w,))[0] if isinstance(w, fx.Node) else w
-        if isinstance(w, fx.Node) and w.op == "get_attr" and not isinstance(keep.get(w.target), Shard):
+        if isinstance(w, fx.Node) and w.op == "get_attr" \
+                and not isinstance(keep.get(w.target), Shard):
             out[node] = ("replicated, as in the model's first capture", False)
     return out
 
@@ -688,7 +695,7 @@ def _segments(node: fx.Node, dim: int, ctx: Context) -> tuple[int, ...] | None:
 
     ``[B, T, 3*C]`` split into three ``C`` gives ``(C, C, C)``.
     """
-    size = hint(shape(node)[dim])
+    size = hint(tensor_shape(node)[dim])
     bounds: set[int] = set()
     frontier = [(node, dim)]
     seen = set()
@@ -697,7 +704,7 @@ def _segments(node: fx.Node, dim: int, ctx: Context) -> tuple[int, ...] | None:
         if cur in seen:
             continue
         seen.add(cur)
-        rank = len(shape(cur))
+        rank = len(tensor_shape(cur))
         for user in cur.users:
             kind = ctx.kind_of(user)
             ushape = shape(user)
@@ -705,17 +712,18 @@ def _segments(node: fx.Node, dim: int, ctx: Context) -> tuple[int, ...] | None:
                     and hint(ushape[d]) == size:
                 frontier.append((user, d))
             elif kind == "reshape" and ushape and d == rank - 1 and \
-                    keeps_last_dim([hint(x) for x in shape(cur)], [hint(x) for x in ushape]):
+                    keeps_last_dim([hint(x) for x in tensor_shape(cur)], [hint(x) for x in ushape]):
                 frontier.append((user, len(ushape) - 1))
             elif kind == "reshape" and ushape and len(ushape) > d and \
-                    [hint(x) for x in shape(cur)[:d + 1]] == [hint(x) for x in ushape[:d + 1]]:
+                    [hint(x) for x in tensor_shape(cur)[:d + 1]] \
+                    == [hint(x) for x in ushape[:d + 1]]:
                 frontier.append((user, d))  # dims after d regrouped (bmm's [S, n, 1] squeezed)
             elif kind is not None and user.args and user.args[0] is cur:
                 bounds |= KINDS[kind].cuts(user, d)
-    bounds = sorted(b for b in bounds if 0 < b < size)
-    if not bounds:
+    inner = sorted(b for b in bounds if 0 < b < size)
+    if not inner:
         return None
-    edges = [0, *bounds, size]
+    edges = [0, *inner, size]
     return tuple(b - a for a, b in zip(edges, edges[1:]))
 
 
@@ -724,7 +732,8 @@ def _only_to_sinks(node: fx.Node, ctx: Context) -> bool:
     loss = ctx.rules.strategy.vocab_loss
     for user in node.users:
         kind = ctx.kind_of(user)
-        if user.op == "output" or (loss and op_name(user) == loss.op) or kind in ("inspect", "size"):
+        if user.op == "output" or (loss and op_name(user) == loss.op) \
+                or kind in ("inspect", "size"):
             continue
         if kind in ("identity", "reshape", "slice") and _only_to_sinks(user, ctx):
             continue
@@ -735,7 +744,7 @@ def _only_to_sinks(node: fx.Node, ctx: Context) -> bool:
 def _from_input(node: fx.Node, ctx: Context) -> bool:
     """Is ``node`` a graph input, through shape-only ops?"""
     while node.op == "call_function" and ctx.kind_of(node) in ("identity", "reshape", "slice"):
-        node = node.args[0]
+        node = cast(fx.Node, node.args[0])
     return node.op == "placeholder"
 
 
@@ -881,7 +890,7 @@ def _transitions(ann: Annotation) -> list[Transition]:
             if isinstance(need, Shard):
                 out.append(Transition(Purpose.SPLIT, a, ((node, path),), R, need,
                                       Collective.LOCAL_SLICE, Collective.NONE, mesh_dim=ann.dim))
-        if o.role is Role.VOCAB_LOSS:
+        if o.role is Role.VOCAB_LOSS and vocab_loss is not None:  # (a vocab loss is set)
             args = args_of(node)
             names = [x.name for x in node.target._schema.arguments]
             n = message(args[names[vocab_loss.target]])
@@ -927,9 +936,9 @@ def _replica_sum_message(a: fx.Node, lay: Shard) -> tuple[int, ...]:
     """The buffer a replica sum all-reduces: the full tensor, or of a shard with a count
     per block, the blocks held by several ranks."""
     full = message(a)
-    if not lay.blocked_replicas:
+    if not isinstance(lay.replicas, tuple):  # not blocked_replicas
         return full
-    rows = sum(b for b, r in zip(lay.blocks, lay.replicas) if r > 1)
+    rows = sum(b for b, r in zip(lay.blocks or (), lay.replicas) if r > 1)
     return tuple(rows if d == lay.dim % len(full) else n for d, n in enumerate(full))
 
 
@@ -974,7 +983,7 @@ def _bucket_grad_sums(ts: list[Transition], per_block: bool = True) -> list[Tran
 
 def owner_name(node: fx.Node) -> str:
     """A parameter's name, or the module an activation is made in: where its block is."""
-    return node.target if node.op == "get_attr" else module_of(node)
+    return str(node.target) if node.op == "get_attr" else module_of(node)
 
 
 def block_of(name: str) -> tuple:

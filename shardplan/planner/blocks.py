@@ -95,7 +95,8 @@ class Fold(Generic[T]):
     item: T  # the first item
 
 
-def fold(items: Iterable[T], name: Callable[[T], str], key: Callable[[T], Hashable]) -> list[Fold[T]]:
+def fold(items: Iterable[T], name: Callable[[T], str],
+         key: Callable[[T], Hashable]) -> list[Fold[T]]:
     """Group ``items`` by (``pattern(name(item))``, ``key(item)``), in first-appearance order."""
     groups: dict = {}
     for it in items:

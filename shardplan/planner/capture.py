@@ -18,7 +18,9 @@ import sysconfig
 import threading
 import traceback
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -76,7 +78,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     share = shared_capture.active()
     with PLANNING_LOCK:  # another thread may be capturing this very model object
         found = shared_capture.key(model, args, kwargs, truncate) if share else None
-        if found is None:
+        if share is None or found is None:
             return _capture(model, args, kwargs, truncate)
         key, tensors = found
         captured = share.lookup(key, tensors)
@@ -88,8 +90,10 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
 
 def _capture(model: nn.Module, args: tuple, kwargs: dict, truncate: bool) -> Captured:
     args, kwargs = _unaliased(args, kwargs)
+    cutting: contextlib.AbstractContextManager[dict] = \
+        _truncated(model) if truncate else contextlib.nullcontext({})
     with PLANNING_LOCK, preserved(model), _buffers_on_meta(model), capturable(model), \
-            _truncated(model) if truncate else contextlib.nullcontext({}) as cut:
+            cutting as cut:
         try:
             gm, shapes = _export(model, args, kwargs)
         except CaptureError:
@@ -177,7 +181,7 @@ def _export(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule
 def _no_kv_cache(model: nn.Module):
     """Hugging Face models return a key/value cache object by default; training has
     no use for it and export cannot return it, so it is off while capturing."""
-    config = getattr(model, "config", None)
+    config: Any = getattr(model, "config", None)
     cached = getattr(config, "use_cache", None)
     if cached:
         config.use_cache = False
@@ -192,7 +196,7 @@ def _auto_shapes(model: nn.Module, args: tuple, kwargs: dict) -> dict:
     """``Dim.AUTO`` for every dim of every tensor input, keyed by parameter name."""
     sig = inspect.signature(model.forward)
     bound = sig.bind(*args, **kwargs)
-    shapes = {}
+    shapes: dict[str, Any] = {}
     for name, value in bound.arguments.items():
         kind = sig.parameters[name].kind
         if kind == inspect.Parameter.VAR_POSITIONAL:
@@ -248,7 +252,7 @@ def _buffers_on_meta(model: nn.Module):
 
 
 @contextlib.contextmanager
-def _truncated(model: nn.Module):
+def _truncated(model: nn.Module) -> Iterator[dict[str, tuple[int, int]]]:
     """Temporarily keep the first ``KEPT`` blocks of every longer list of identical blocks."""
     cut: dict[str, tuple[int, int]] = {}
     saved = []
@@ -257,7 +261,7 @@ def _truncated(model: nn.Module):
             saved.append((mod, list(mod)))
             cut[name] = (KEPT, len(mod))
     try:
-        for mod, blocks in saved:
+        for mod, _ in saved:
             del mod[KEPT:]
         yield cut
     finally:

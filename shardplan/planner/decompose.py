@@ -20,6 +20,7 @@ kernels do).
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.fx as fx
@@ -55,13 +56,13 @@ def decompose(gm: fx.GraphModule, nodes) -> None:
 
 def _dims(node: fx.Node, dims) -> list[int]:
     """The reduced dims of ``node``'s input, non-negative (None: all)."""
-    rank = node.args[0].meta["val"].dim()
+    rank = cast(fx.Node, node.args[0]).meta["val"].dim()
     dims = range(rank) if dims is None else [dims] if isinstance(dims, int) else dims
     return sorted(d % rank for d in dims)
 
 
 def _static(node: fx.Node, dims) -> bool:
-    return all(isinstance(node.args[0].meta["val"].shape[d], int) for d in dims)
+    return all(isinstance(cast(fx.Node, node.args[0]).meta["val"].shape[d], int) for d in dims)
 
 
 class _Writer:
@@ -82,7 +83,7 @@ class _Writer:
 
     def replace(self, write) -> None:
         args = args_of(self.node)
-        x = args.get("input", args.get("self"))
+        x = args["input"] if "input" in args else args["self"]
         out = self.node.meta["val"].dtype
         compute = torch.float32 if out in (torch.float16, torch.bfloat16) else out
         if x.meta["val"].dtype != compute:

@@ -30,7 +30,7 @@ def op_name(node: fx.Node) -> str:
 
 def operands(node: fx.Node) -> list[tuple[tuple, fx.Node]]:
     """Every fx.Node argument with its path: (i,), (i, j) for lists, ("k", name)."""
-    out = []
+    out: list[tuple[tuple, fx.Node]] = []
     for i, a in enumerate(node.args):
         if isinstance(a, fx.Node):
             out.append(((i,), a))
@@ -87,7 +87,10 @@ def args_of(node: fx.Node) -> dict:
 
 def set_arg(node: fx.Node, name: str, value) -> None:
     """Set the argument called ``name`` (in the op's schema) to ``value``."""
-    names = [a.name for a in schema_of(node.target).arguments]
+    schema = schema_of(node.target)
+    if schema is None:
+        raise TypeError(f"{describe(node)} is not an ATen op: it has no schema")
+    names = [a.name for a in schema.arguments]
     i = names.index(name)
     if i < len(node.args):
         args = list(node.args)
@@ -98,8 +101,17 @@ def set_arg(node: fx.Node, name: str, value) -> None:
 
 
 def shape(node: fx.Node) -> tuple | None:
+    """The shape of the tensor ``node`` makes; None for a node that makes no tensor."""
     v = node.meta.get("val")
     return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def tensor_shape(node: fx.Node) -> tuple:
+    """The shape of a node known to make a tensor (a rule's operand, a parameter)."""
+    s = shape(node)
+    if s is None:
+        raise TypeError(f"{describe(node)} makes no tensor")
+    return s
 
 
 def hint(d) -> int:

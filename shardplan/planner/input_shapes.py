@@ -35,7 +35,7 @@ class InputShapes:
     def of(cls, gm: fx.GraphModule, ranges: dict) -> InputShapes:
         """From ``gm``'s placeholders and the exported program's ``range_constraints``."""
         bounds = {str(s): (_bound(r.lower) or 0, _bound(r.upper)) for s, r in ranges.items()}
-        leaves = []
+        leaves: list[tuple[Dim, ...] | None] = []
         for node in gm.graph.find_nodes(op="placeholder"):
             val = node.meta.get("val")
             if not isinstance(val, torch.Tensor):

@@ -50,8 +50,8 @@ def check_dtypes(gm: fx.GraphModule) -> None:
         if n is None:
             continue
         schema = node.target._schema.arguments
-        operands = [(schema[i].name, a, _val(a)) for i, a in enumerate(node.args[:n])
-                    if _val(a) is not None]
+        operands = [(schema[i].name, a, t) for i, a in enumerate(node.args[:n])
+                    if (t := _val(a)) is not None]
         if len({t.dtype for _, _, t in operands}) < 2:
             continue
         listed = ", ".join(f"{role} {_dtype_name(t.dtype)} ({_origin(a)})"
@@ -108,7 +108,7 @@ def _dtype_fix(gm: fx.GraphModule, operands) -> str:
     if any(not (t.is_floating_point() or t.is_complex()) for _, _, t in operands):
         return ("this op computes in floating point: pass floating-point inputs (x.float()); "
                 "integer inputs are token ids for an embedding")
-    params = {}
+    params: dict[torch.dtype, str] = {}
     for name, p in gm.named_parameters():
         params.setdefault(p.dtype, name)
     if len(params) > 1:
@@ -125,7 +125,8 @@ def check_model_arg(model, tp=None) -> None:
     """An unsharded ``nn.Module`` and, when given, a positive integer tp."""
     if not isinstance(model, nn.Module):
         raise ConfigurationError(f"expected a torch.nn.Module, got {type(model).__name__}",
-                                 fix="pass the model object (an nn.Module), not a function or class")
+                                 fix="pass the model object (an nn.Module), not a function or "
+                                     "class")
     if getattr(model, "is_parallelized", False):
         raise ConfigurationError("this model is already parallelized",
                                  where=type(model).__name__,

@@ -117,8 +117,9 @@ def check_estimate_arguments(*, batch, seq, examples: bool, dp, dp_replicate, dp
     and a size such as "80GB" read; a ``ConfigurationError`` naming the first bad one.
 
     ``batch`` and ``seq`` positive ints, given together and without example inputs
-    (``examples``); ``dp``, ``dp_replicate``, ``dp_shard`` positive ints or None; ``fsdp``, ``sequence_parallel`` and
-    ``recompute`` True or False; ``dtype`` one of ``DTYPES`` (or its name) or None;
+    (``examples``); ``dp``, ``dp_replicate``, ``dp_shard`` positive ints or None; ``fsdp``,
+    ``sequence_parallel`` and ``recompute`` True or False; ``dtype`` one of ``DTYPES`` (or
+    its name) or None;
     ``optimizer`` one of ``OPTIMIZER_BYTES`` or None; ``gpu_memory`` a positive number of
     bytes, a size (``parse_bytes``) or None.
     """
@@ -246,7 +247,8 @@ def _stand_in(name: str, captured: Captured) -> str:
 def _labels(gm: fx.GraphModule, names: list[str]) -> dict[fx.Node, str | None]:
     """Node -> the block it belongs to, as ``outline_blocks`` cuts them: by the module
     that produced it; nodes the rewriter inserted go with the node before them."""
-    wanted, label, out = set(names), None, {}
+    wanted, label = set(names), None
+    out: dict[fx.Node, str | None] = {}
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "get_attr", "output"):
             out[node] = None
@@ -335,7 +337,7 @@ def parse_bytes(text: str, name: str = "size") -> int:
         number = float(m.group(1)) if m else None
     except ValueError:
         number = None
-    if number is None or not math.isfinite(number):
+    if m is None or number is None or not math.isfinite(number):
         raise ConfigurationError(f"{name}={text!r} is not a memory size", where=_WHERE,
                                  fix="pass a number of bytes with an optional unit: B, KB, MB, "
                                      "GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (of 1024), "

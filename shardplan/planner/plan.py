@@ -144,9 +144,9 @@ class Plan(BaseModel):
     @property
     def dims(self) -> MeshSizes:
         """``mesh`` as the planner's value (``plan.dims[MeshDim.TP]``, ``plan.dims.tp``)."""
-        return MeshSizes(self.mesh)
+        return MeshSizes(tuple(self.mesh.items()))
 
-    @computed_field
+    @computed_field  # type: ignore[prop-decorator]  # pydantic's documented form
     @property
     def tp(self) -> int:
         """The ranks along tp (``mesh["tp"]``)."""
@@ -177,7 +177,8 @@ class Plan(BaseModel):
         return diff_plans(self, other)
 
     def to_dtensor_plan(self, **kw) -> dict:
-        """``{module FQN: ParallelStyle}`` for ``torch.distributed.tensor.parallel.parallelize_module``."""
+        """``{module FQN: ParallelStyle}`` for
+        ``torch.distributed.tensor.parallel.parallelize_module``."""
         from ..report.export import to_dtensor_plan
         return to_dtensor_plan(self, **kw)
 
@@ -231,7 +232,7 @@ def plan(model: nn.Module, tp: int, *, example_inputs=None, rules="megatron",
                         dp_shard=sizes["dp_shard"] or 1)
     fsdp = fsdp or dims.dp_shard > 1
     ruleset = load_rules(rules)
-    if batch is not None:
+    if batch is not None and seq is not None:  # given together (checked above)
         example_inputs = token_batch(model, batch, seq)
     args, kwargs = example_args(model, example_inputs)
     captured = _capture_stamped(model, args, kwargs)
@@ -329,7 +330,7 @@ def _choice(c) -> ChoiceEntry:
 def _tokens(args, kwargs) -> int:
     tensors = [x for x in list(args) + list(kwargs.values()) if isinstance(x, torch.Tensor)]
     ints = [t for t in tensors if not t.is_floating_point()]
-    first = (ints or tensors or [None])[0]
+    first = next(iter(ints or tensors), None)
     if first is None:
         return 1
     return math.prod(first.shape) if not first.is_floating_point() else math.prod(first.shape[:2])

@@ -32,7 +32,8 @@ class _ToDebug(logging.Filter):
 @contextlib.contextmanager
 def quiet_export():
     """Inside this block torch's export loggers write to ``shardplan.capture`` at debug level."""
-    loggers = [logging.getLogger(name) for name, obj in list(logging.root.manager.loggerDict.items())
+    loggers = [logging.getLogger(name)
+               for name, obj in list(logging.root.manager.loggerDict.items())
                if isinstance(obj, logging.Logger) and name.startswith(_CHATTY)]
     loggers += [logging.getLogger(name) for name in _CHATTY]
     to_debug = _ToDebug()

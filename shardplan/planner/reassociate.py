@@ -12,6 +12,8 @@ partial sums (``linear_chains.pass_partials``).
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.fx as fx
 
@@ -49,12 +51,13 @@ def _chain(outer: fx.Node, layouts: dict, through: dict):
     kind = _add_kind(outer)
     if kind is None:
         return None
-    pairs = [outer.args] if kind == _ADD_ else [outer.args, outer.args[::-1]]
+    left, right = cast(tuple[fx.Node, fx.Node], outer.args)
+    pairs = [(left, right)] if kind == _ADD_ else [(left, right), (right, left)]
     for inner, second in pairs:
         if not (_add_kind(inner) == kind and len(inner.users) == 1
                 and _partial(second, layouts, through)):
             continue
-        a, b = inner.args
+        a, b = cast(tuple[fx.Node, fx.Node], inner.args)
         if kind == _ADD_:  # writes into a: nothing else may see it between the two
             orders = [(a, b)] if len(a.users) == 1 else []
         else:

@@ -113,8 +113,8 @@ def outline_blocks(gm: fx.GraphModule, blocks: list[str],
             split.add_module(name, child)
     for name, t in gm._parameters.items():
         split.register_parameter(name, t)
-    for name, t in gm._buffers.items():
-        split.register_buffer(name, t)
+    for name, b in gm._buffers.items():
+        split.register_buffer(name, b)
     for segment, label in set(labels.values()):
         if label is not None:
             name = f"submod_{PREFIX}{segment}"

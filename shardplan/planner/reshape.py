@@ -56,8 +56,8 @@ def map_reshape(lay: Shard, src, dst, tp) -> Shard | tuple[str, dict]:
             # (held whole by every rank, the size-1 dim is one head: the shard stays on it)
         if any(n % p for n, p in zip(counts, parts)):  # the major dim carries the shard (heads):
             # no moving it inward; ranks holding a block's heads in groups would divide it
-            needed = [tp // math.gcd(n, tp) for n in counts]
-            needed = needed[0] if len(counts) == 1 else tuple(needed) \
+            per_block = [tp // math.gcd(n, tp) for n in counts]
+            needed = per_block[0] if len(counts) == 1 else tuple(per_block) \
                 if len(counts) == len(lay.blocks or ()) else 1
             return (f"split of a sharded dim into {[dst_h[k] for k in range(c, e)]} does not "
                     f"divide by tp={tp} (e.g. heads not divisible by tp)",
@@ -165,7 +165,7 @@ def group_blocks(lay: Shard, sizes: list[int]):
     blocks = list(lay.blocks or [sum(sizes)])
     groups = []
     for s in sizes:
-        g = []
+        g: list[int] = []
         while blocks and sum(g) < s:
             g.append(blocks.pop(0))
         if sum(g) != s:

@@ -18,6 +18,7 @@ import copy
 import operator
 import warnings
 from collections.abc import Mapping
+from typing import cast
 
 import torch
 import torch.fx as fx
@@ -25,8 +26,9 @@ import torch.nn as nn
 
 from .annotate import Annotation
 from .capture import module_of
-from .graph import args_of, op_name, operand, operands, replace_operand, set_arg, shape
+from .graph import args_of, op_name, operand, operands, replace_operand, set_arg, tensor_shape
 from .kinds import KINDS, Role
+from .rules import VocabEmbedding, VocabLoss
 from .token_order import keep_gathered_order
 from .transitions import Collective, Purpose, Transition
 from ..errors import ConfigurationError
@@ -37,6 +39,7 @@ from ..runtime.graph_ops import (CopyToRegion, GatherSequence, GatherShard,
                                 ModelParallelRNG, ReduceFromRegion, ScatterToSequence,
                                 SumGradients,
                                 SumOverReplicas, VocabCrossEntropy, VocabLookup)
+from ..torch_compat import OpOverload
 
 aten = torch.ops.aten
 
@@ -193,22 +196,23 @@ class _Rewriter:
         group = self._group_of(t)
         if t.purpose is Purpose.SPLIT:
             with self.graph.inserting_before(consumer):
-                return self.graph.call_module(
-                    self._module("shard", LocalShard(t.after, group.rank, group.size)), (value,))
+                shard = LocalShard(cast(Shard, t.after), group.rank, group.size)
+                return self.graph.call_module(self._module("shard", shard), (value,))
         key = (t.src, t.purpose)
         if key not in self.shared:
             if t.purpose in (Purpose.F, Purpose.SEQ_GRAD):
                 mod = self._module("f" if t.purpose is Purpose.F else "seq_grad",
                                    CopyToRegion(group, self._site(t.src)))
             elif t.purpose is Purpose.SEQ_GATHER:
-                mod = self._module("seq_gather",
-                                   GatherSequence(group, t.before.dim, self._site(t.src)))
+                mod = self._module("seq_gather", GatherSequence(
+                    group, cast(Shard, t.before).dim, self._site(t.src)))
             elif t.purpose in (Purpose.SEQ_UNSHARD, Purpose.GATHER):
+                before = cast(Shard, t.before)
                 mod = self._module(t.purpose.value, GatherShard(
-                    group, t.before, t.messages[0][t.before.dim], self._site(t.src)))
+                    group, before, t.messages[0][before.dim], self._site(t.src)))
             else:  # REPLICA_GRAD
                 mod = self._module("replica_sum", SumOverReplicas(
-                    group, t.after, self._site(t.src)))
+                    group, cast(Shard, t.after), self._site(t.src)))
             at = self.graph.inserting_before(consumer) if _written_in_place(value) \
                 else self.graph.inserting_after(value)
             with at:
@@ -243,7 +247,7 @@ class _Rewriter:
         group = self._group_of(t)
         if t.purpose is Purpose.SEQ_SCATTER:
             mod = self._module("seq_scatter",
-                               ScatterToSequence(group, t.after.dim, self._site(node)))
+                               ScatterToSequence(group, cast(Shard, t.after).dim, self._site(node)))
         elif t.forward is Collective.ALL_REDUCE_MAX:
             mod = self._module("stat_max", MaxOverRanks(group, self._site(node)))
         else:
@@ -289,7 +293,7 @@ class _Rewriter:
             if v is not None and v.op == "get_attr" and node < v:
                 node.prepend(v)
         mod = self._module("seq_linear", LinearsOnGatheredSequence(
-            self._group_of(t), t.before.dim, self._site(t.src)))
+            self._group_of(t), cast(Shard, t.before).dim, self._site(t.src)))
         with self.graph.inserting_before(node):
             fused = self.graph.call_module(mod, (args_of(node)["input"], shard, *weights))
             outs = [self.graph.call_function(operator.getitem, (fused, i))
@@ -302,10 +306,10 @@ class _Rewriter:
         gather = next((g for g in self.at_edge.get((orig, (0,)), ())
                        if g.purpose is Purpose.SEQ_GATHER), None)
         if gather is not None and {c for c, _ in gather.consumers} == set(linears):
-            gathered = fused.args[0]  # read by these linears alone: they gather it themselves
+            gathered = cast(fx.Node, fused.args[0])  # read by these linears alone: they gather it
             fused.args = (None, *fused.args[1:])
             self.graph.erase_node(gathered)
-            self.gm.delete_submodule(gathered.target)
+            self.gm.delete_submodule(str(gathered.target))  # a call_module's target: its name
         return self.env[orig]
 
     def gather_outputs(self) -> None:
@@ -313,8 +317,9 @@ class _Rewriter:
         for t in self.gathers:
             value = self._value(t.src)
             with self.graph.inserting_before(out):
+                before = cast(Shard, t.before)
                 gathered = self.graph.call_module(self._module("gather", GatherShard(
-                    self._group_of(t), t.before, t.messages[0][t.before.dim],
+                    self._group_of(t), before, t.messages[0][before.dim],
                     self._site(t.src))), (value,))
             out.replace_input_with(value, gathered)
 
@@ -332,7 +337,7 @@ class _Rewriter:
         if where is None or not isinstance(out.out, Shard):
             return node
         args = args_of(node)
-        p = args[node.target._schema.arguments[where].name]
+        p = args[cast(OpOverload, node.target)._schema.arguments[where].name]
         if not p or not args.get("train", True):
             return node
         mod = self._module("rng", ModelParallelRNG(node.target, self.group))
@@ -342,10 +347,10 @@ class _Rewriter:
         return new
 
     def _vocab_embedding(self, node: fx.Node, out) -> fx.Node:
-        spec = self.ann.rules.strategy.vocab_embedding
+        spec = cast(VocabEmbedding, self.ann.rules.strategy.vocab_embedding)  # its role: set
         weight, ids = node.args[spec.weight], node.args[spec.indices]
         lay = out.needs[(spec.weight,)]
-        rows = shape(weight)[0]
+        rows = tensor_shape(cast(fx.Node, weight))[0]
         pad = args_of(node)["padding_idx"]
         lookup = VocabLookup(rows, lay.padded or rows, self.group, None if pad == -1 else pad)
         with self.graph.inserting_before(node):
@@ -353,14 +358,14 @@ class _Rewriter:
         return self._replace(node, new)
 
     def _vocab_loss(self, orig: fx.Node, node: fx.Node) -> fx.Node:
-        spec = self.ann.rules.strategy.vocab_loss
-        names = [a.name for a in node.target._schema.arguments]
+        spec = cast(VocabLoss, self.ann.rules.strategy.vocab_loss)  # its role: set
+        names = [a.name for a in cast(OpOverload, node.target)._schema.arguments]
         args = args_of(node)
         arg = lambda i: args[names[i]]  # noqa: E731
         loss = VocabCrossEntropy(
-            self._group_of(self.losses[orig]), vocab_size=shape(arg(spec.logits))[1], reduction=arg(spec.reduction),
-            ignore_index=arg(spec.ignore_index), label_smoothing=arg(spec.label_smoothing) or 0.0,
-            site=self._site(node))
+            self._group_of(self.losses[orig]), vocab_size=tensor_shape(arg(spec.logits))[1],
+            reduction=arg(spec.reduction), ignore_index=arg(spec.ignore_index),
+            label_smoothing=arg(spec.label_smoothing) or 0.0, site=self._site(node))
         with self.graph.inserting_before(node):
             new = self.graph.call_module(self._module("vocab_loss", loss),
                                          (arg(spec.logits), arg(spec.target)))
@@ -411,7 +416,7 @@ class _Rewriter:
         """
         if op_name(orig) not in _VIEWS:
             return
-        read = self.ann.read(orig.args[0], orig, (0,))
+        read = self.ann.read(cast(fx.Node, orig.args[0]), orig, (0,))
         if isinstance(read, Shard) or isinstance(out.needs.get((0,)), Shard):
             size = args_of(node)[_VIEWS[op_name(orig)]]
             node.target, node.args, node.kwargs = aten.reshape.default, (node.args[0], size), {}
@@ -465,7 +470,7 @@ def gather_params(gm: fx.GraphModule, layouts: dict, group: Group) -> None:
     for i, node in enumerate(reads):
         lay = layouts[node.target]
         name = f"tp_gather_param_{i}"
-        gm.add_submodule(name, GatherShard(group, lay, shape(node)[lay.dim], node.target))
+        gm.add_submodule(name, GatherShard(group, lay, tensor_shape(node)[lay.dim], node.target))
         users = list(node.users)
         with graph.inserting_after(node):
             whole = graph.call_module(name, (node,))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.resources
 import re
 import sys
+from collections.abc import Iterable
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -181,8 +182,8 @@ def _check_version(version, where: str) -> None:
         raise RuleError(f"rule file of version {version}; this shardplan reads version "
                         f"{' or '.join(map(str, VERSIONS))}", where=where,
                         fix="write the rules for a supported version (compare with the bundled "
-                            "shardplan/rules/megatron.toml), or use the shardplan release they were "
-                            "written for")
+                            "shardplan/rules/megatron.toml), or use the shardplan release they "
+                            "were written for")
 
 
 def _check(rules: RuleSet, where: str) -> None:
@@ -198,7 +199,7 @@ def _check(rules: RuleSet, where: str) -> None:
             raise RuleError(f"[ops] lists an unknown kind {kind!r}", where=where,
                             fix="use one of " + ", ".join(sorted(set(KINDS) - tabled)) +
                                 " (einsum and reduce ops have their own tables)")
-    tables = {"einsum": rules.einsum, "reduce": rules.reduce, **rules.ops}
+    tables: dict[str, Iterable[str]] = {"einsum": rules.einsum, "reduce": rules.reduce, **rules.ops}
     kinds: dict[str, list[str]] = {}  # op -> the kinds listing it
     for kind, ops in tables.items():
         for op in dict.fromkeys(ops):
@@ -212,12 +213,12 @@ def _check(rules: RuleSet, where: str) -> None:
                             fix=f"keep {op} under the one kind that describes it and delete "
                                 "the other entries")
         _check_readable(op, listed[0], where)
-    for op, es in rules.einsum.items():
-        letters = set(es.sig) - set(".,->")
-        stray = sorted(set(es.shardable or "") - letters - {"."})
+    for op, einsum in rules.einsum.items():
+        letters = set(einsum.sig) - set(".,->")
+        stray = sorted(set(einsum.shardable or "") - letters - {"."})
         if stray:
-            raise RuleError(f"einsum rule of {op}: shardable {es.shardable!r} names "
-                            f"{', '.join(map(repr, stray))}, not a factor of {es.sig!r}",
+            raise RuleError(f"einsum rule of {op}: shardable {einsum.shardable!r} names "
+                            f"{', '.join(map(repr, stray))}, not a factor of {einsum.sig!r}",
                             where=where,
                             fix="list in shardable only letters of the signature ('.' for the "
                                 "'...' dims)")

@@ -154,7 +154,7 @@ class _Walk:
         self._open: set[int] = set()  # objects being described (a cycle back to one: give up)
 
     def model(self) -> tuple:
-        parts = []
+        parts: list[tuple] = []
         for name, m in self.root.named_modules(remove_duplicate=False):
             first = self.paths[id(m)]
             if first != name:
@@ -241,7 +241,8 @@ class _Walk:
             return "partial", each(v.func), each(v.args), each(v.keywords)
         if isinstance(v, (types.BuiltinFunctionType, types.CodeType)):
             return _Same(v)
-        if type(v).__module__.split(".")[0] != "torch" and isinstance(getattr(v, "__dict__", None), dict):
+        plain_object = isinstance(getattr(v, "__dict__", None), dict)
+        if type(v).__module__.split(".")[0] != "torch" and plain_object:
             return _Same(type(v)), each(vars(v))
         raise _Unshareable(type(v))
 

@@ -12,10 +12,12 @@ again with the layouts of the parameter and of each view of it given.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch.fx as fx
 
 from ..layouts import Shard
-from .graph import args_of, hint, op_name, shape
+from .graph import args_of, hint, op_name, tensor_shape
 from .kinds import Context
 from .kinds.base import with_dim
 from .kinds.permute import PERMUTATIONS
@@ -38,26 +40,28 @@ def split_parameter(node: fx.Node, need: Shard, params: dict, ctx: Context) -> d
     if not chain or cur.op != "get_attr" or cur.target not in params or len(cur.users) != 1 \
             or need.padded or need.replicas != 1 or need.blocks:
         return None
-    for d in range(len(shape(cur))):
-        if hint(shape(cur)[d]) % ctx.size:
+    for d in range(len(tensor_shape(cur))):
+        if hint(tensor_shape(cur)[d]) % ctx.size:
             continue
         lays = {cur: Shard(d)}
         lay = lays[cur]
         for n in reversed(chain):
-            lay = _through(n, lay, ctx)
-            if lay is None:
+            through = _through(n, lay, ctx)
+            if through is None:
                 break
-            lays[n] = lay
-        if lay == need:
-            return lays
+            lay = lays[n] = through
+        else:
+            if lay == need:
+                return lays
     return None
 
 
 def _through(node: fx.Node, lay: Shard, ctx: Context) -> Shard | None:
     """Where a shard of ``node``'s input lands in its output (None: it is not kept whole)."""
-    kind, src, dst = ctx.kind_of(node), shape(node.args[0]), shape(node)
+    kind = ctx.kind_of(node)
     if kind == "identity":
         return lay
+    src, dst = tensor_shape(cast(fx.Node, node.args[0])), tensor_shape(node)
     if kind == "permute":
         return with_dim(lay, PERMUTATIONS[op_name(node)](args_of(node), len(dst)).index(lay.dim))
     if kind == "expand":

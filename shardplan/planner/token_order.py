@@ -24,6 +24,7 @@ import contextlib
 import contextvars
 import math
 import operator
+from typing import cast
 
 import torch
 import torch.fx as fx
@@ -32,6 +33,7 @@ from ..layouts import Shard
 from ..runtime.graph_ops import (LinearsOnGatheredSequence, ScatterToSequence, VocabLookup,
                                   gathered_order)
 from .shards import local_shape
+from ..torch_compat import OpOverload
 
 aten = torch.ops.aten
 
@@ -80,7 +82,7 @@ def _mark(nodes) -> None:
 
 
 def _module(gm: fx.GraphModule, node: fx.Node):
-    return gm.get_submodule(node.target) if node.op == "call_module" else None
+    return gm.get_submodule(str(node.target)) if node.op == "call_module" else None
 
 
 def _token_wise_region(gm, start: fx.Node, dim: int):
@@ -118,10 +120,13 @@ def _feed_in_gathered_order(gm, scatter: fx.Node, mod: ScatterToSequence, tp: in
         lay = layouts.get(v)
         return not isinstance(lay, Shard) or lay.dim > d
 
-    if _val(scatter.args[0]) is None:  # a node made without a shape: leave it be
+    src = cast(fx.Node, scatter.args[0])
+    if _val(src) is None:  # a node made without a shape: leave it be
         return
-    tokens = _val(scatter.args[0]).shape[:d + 1]
-    inside, leaves, todo = set(), {}, [scatter.args[0]]
+    tokens = _val(src).shape[:d + 1]
+    inside: set[fx.Node] = set()
+    leaves: dict[fx.Node, int] = {}
+    todo = [src]
     while todo:
         v = todo.pop()
         if v in inside or v in leaves:
@@ -134,13 +139,13 @@ def _feed_in_gathered_order(gm, scatter: fx.Node, mod: ScatterToSequence, tp: in
             leaves[v] = width(v)
         else:
             return
-    if not inside or sum(leaves.values()) >= width(scatter.args[0]):
+    if not inside or sum(leaves.values()) >= width(src):
         return
     for leaf in leaves:
-        readers = [u for u in gm.graph.nodes if u in inside and leaf in u.all_input_nodes]
-        with gm.graph.inserting_before(readers[0]):
+        reading = [u for u in gm.graph.nodes if u in inside and leaf in u.all_input_nodes]
+        with gm.graph.inserting_before(reading[0]):
             permuted = gm.graph.call_function(gathered_order, (leaf, tp, d, mod.site))
-        for u in readers:
+        for u in reading:
             u.replace_input_with(leaf, permuted)
     mod.stacked = True
     _mark(inside)
@@ -151,7 +156,7 @@ def _feeds_by_token(gm, node: fx.Node) -> bool:
     gives back token by token: a linear of parameters, a pointwise op, the vocab-parallel
     lookup of token ids?"""
     if isinstance(_module(gm, node), VocabLookup):
-        return node.args[0].op == "get_attr"
+        return cast(fx.Node, node.args[0]).op == "get_attr"
     if node.target is aten.linear.default:
         return _of_parameters(node)
     return node.target is not operator.getitem and _token_wise_op(node)
@@ -159,16 +164,16 @@ def _feeds_by_token(gm, node: fx.Node) -> bool:
 
 def _of_parameters(linear: fx.Node) -> bool:
     """Are a linear's weight and bias parameters (not tensors with tokens of their own)?"""
-    return all(a.op == "get_attr" for a in linear.args[1:3] if a is not None)
+    return all(cast(fx.Node, a).op == "get_attr" for a in linear.args[1:3] if a is not None)
 
 
 def _data(gm, node: fx.Node) -> list[fx.Node]:
     """The operands of a token-wise op that carry tokens (a lookup's ids, a linear's input,
     a pointwise op's tensors)."""
     if isinstance(_module(gm, node), VocabLookup):
-        return [node.args[1]]
+        return [cast(fx.Node, node.args[1])]
     if node.target is aten.linear.default:
-        return [node.args[0]]
+        return [cast(fx.Node, node.args[0])]
     return [a for a in [*node.args, *node.kwargs.values()] if isinstance(a, fx.Node)]
 
 
@@ -183,8 +188,9 @@ def _token_wise_op(node: fx.Node) -> bool:
     if node.target is operator.getitem or node.target is aten.linear.default:
         return True
     tags = getattr(node.target, "tags", ())
+    # not an in-place op: its input is seen
     return (torch.Tag.pointwise in tags and torch.Tag.nondeterministic_seeded not in tags
-            and not node.target._schema.is_mutable)  # an in-place op: its input is seen
+            and not cast(OpOverload, node.target)._schema.is_mutable)
 
 
 def _operands_fit(node: fx.Node, inside: set) -> bool:

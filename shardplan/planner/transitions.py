@@ -31,17 +31,19 @@ rows, not a code path: a partial result leaving a region is reduce-scattered
 along the sequence instead of all-reduced, the ops between regions run on
 this rank's tokens, and a region's replicated input is all-gathered from
 them (``SEQ_UNSHARD`` where an op that is no region needs the whole
-sequence: its gradient is whole on every rank). ``SEQ_GRAD`` is ``F``'s collective for a replicated tensor read by
-sequence-sharded ops (a norm's weight, a position embedding): each rank's
-gradient covers only its tokens, so it is summed over the ranks, once.
-``SEQ_GRAD_BUCKET`` is the ``SEQ_GRAD``s of the parameters (norms' weights and
-biases, row biases) and of a position embedding's output in one flat all-reduce, run when the last of their
-gradients is ready (Megatron buckets them too): one per step, or one per block
-where recomputation or FSDP run the graph block by block; ``sources`` are the
-parameters, ``messages`` one flat buffer. ``SEQ_REGATHER``: the linears
-reading a ``SEQ_GATHER`` keep only this rank's tokens for backward and
-all-gather them again, once for all of them, for their weights' gradients,
-so the gathered input is not held until backward (Megatron's choice).
+sequence: its gradient is whole on every rank). ``SEQ_GRAD`` is ``F``'s
+collective for a replicated tensor read by sequence-sharded ops (a norm's
+weight, a position embedding): each rank's gradient covers only its tokens,
+so it is summed over the ranks, once.
+``SEQ_GRAD_BUCKET`` is the ``SEQ_GRAD``s of the parameters (norms' weights
+and biases, row biases) and of a position embedding's output in one flat
+all-reduce, run when the last of their gradients is ready (Megatron buckets
+them too): one per step, or one per block where recomputation or FSDP run
+the graph block by block; ``sources`` are the parameters, ``messages`` one
+flat buffer. ``SEQ_REGATHER``: the linears reading a ``SEQ_GATHER`` keep
+only this rank's tokens for backward and all-gather them again, once for all
+of them, for their weights' gradients, so the gathered input is not held
+until backward (Megatron's choice).
 ``STAT`` is ``G`` for a reduction over a split dim (a norm's mean of squares
 over all heads): each rank reduces its part, and the small result (b*s
 numbers) is summed; where the whole statistic then meets the parts again,
@@ -54,19 +56,20 @@ its slice of that (identical) gradient.
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
-from enum import StrEnum
 
 import torch
 import torch.fx as fx
 
-from ..layouts import MeshDim
+from ..layouts import Layout, MeshDim
 from .graph import hint
 
 
-class Collective(StrEnum):
-    """How ranks exchange data for one side (forward or backward) of a transition."""
+class Collective(str, enum.Enum):
+    """How ranks exchange data for one side (forward or backward) of a transition. A member
+    is its value (``str(Collective.ALL_GATHER) == "all_gather"``)."""
 
     NONE = "none"
     LOCAL_SLICE = "local_slice"  # keep this rank's part: no communication
@@ -75,6 +78,9 @@ class Collective(StrEnum):
     REDUCE_SCATTER = "reduce_scatter"  # sequence parallel's g
     ALL_GATHER = "all_gather"
     REPLICA_SUM = "replica_sum"  # all-reduce of a zero-padded full-size buffer
+
+    def __str__(self) -> str:
+        return self.value
 
     @property
     def communicates(self) -> bool:
@@ -87,8 +93,9 @@ class Collective(StrEnum):
             else self.value
 
 
-class Purpose(StrEnum):
-    """Why a transition exists (the plan's ``CollectiveEntry.purpose``)."""
+class Purpose(str, enum.Enum):
+    """Why a transition exists (the plan's ``CollectiveEntry.purpose``); a member is its
+    value, as a ``Collective`` is."""
 
     F = "f"  # a replicated tensor enters a region: sum its gradient
     G = "g"  # a partial sum leaves a region
@@ -104,6 +111,9 @@ class Purpose(StrEnum):
     SEQ_REGATHER = "seq_regather"  # a linear's gathered input gathered again in backward
     STAT = "stat"  # a reduction over a split dim: the ranks' partial results summed
     GATHER = "gather"  # a shard all-gathered for an op that cannot run on the parts
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(frozen=True)
@@ -121,8 +131,8 @@ class Transition:
     purpose: Purpose
     src: fx.Node
     consumers: tuple[tuple[fx.Node, tuple | None], ...]
-    before: object  # Layout
-    after: object  # Layout
+    before: Layout
+    after: Layout
     forward: Collective
     backward: Collective
     messages: tuple[tuple[int, ...], ...] = ()

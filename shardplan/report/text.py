@@ -47,9 +47,9 @@ def render_text(plan, width: int = 100) -> str:
         lines += _sequence(plan, width)
     lines.append("\nparameters (layout: R replicated, S(d) split on dim d, |a+b blocks, |padN padded):")
     rows = [(p.name, (p.layout, tuple(p.global_shape), tuple(p.local_shape))) for p in plan.params]
-    for title, rows in _collapse(rows):
+    for title, group in _collapse(rows):
         lines.append(f"  {title}")
-        for name, (lay, gshape, lshape) in rows:
+        for name, (lay, gshape, lshape) in group:
             lines.append(_clip(f"    {name:40} {lay:14} {str(gshape):>18} -> {str(lshape)}", width))
     return "\n".join(lines)
 

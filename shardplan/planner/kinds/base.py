@@ -16,9 +16,9 @@ size list), as export writes them: positional arguments positionally.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field, replace
-from enum import StrEnum
-from typing import Callable, ClassVar
+from typing import Any, Callable, ClassVar, cast
 
 import torch
 import torch.fx as fx
@@ -30,8 +30,9 @@ from ...torch_compat import OpOverload
 R = Replicate()
 
 
-class Role(StrEnum):
-    """What a node does in the Megatron strategy (the plan's ``Decision.role``)."""
+class Role(str, enum.Enum):
+    """What a node does in the Megatron strategy (the plan's ``Decision.role``). A member
+    is its value (``Role.ROW == "row"``, ``str(Role.ROW) == "row"``)."""
 
     LOCAL = "local"  # runs on this rank's part, no decision worth listing
     COLUMN = "column"  # opens a region: weight split on its output features
@@ -42,6 +43,9 @@ class Role(StrEnum):
     REPLICATED = "replicated"  # an opener kept replicated (a conflict downstream)
     DISTRIBUTED = "distributed_reduce"  # reduces a split dim locally: output partial (a role;
     # ``choices.DISTRIBUTED`` is the name of a weighed alternative)
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass
@@ -79,7 +83,7 @@ class Context:
     gradient."""
 
     dims: MeshSizes
-    rules: object  # RuleSet
+    rules: Any  # the RuleSet (planner/rules.py imports the kinds: no import of it here)
     whole: frozenset = frozenset()  # names of reductions not to run in distributed form
     needs_grad: dict = field(default_factory=dict)  # node -> does its value need a gradient
     dim: MeshDim = MeshDim.TP
@@ -180,4 +184,4 @@ def local_size(size, lay: Shard, tp: int, divide: Divide):
     """A size argument of the sharded dim, for one rank (-1 stays -1)."""
     if isinstance(size, int):
         return size if size == -1 else lay.local_size(size, tp)
-    return divide(size, tp // lay.replicas)
+    return divide(size, tp // cast(int, lay.replicas))  # a traced size: one count, not blocks

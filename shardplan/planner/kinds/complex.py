@@ -7,7 +7,7 @@ does; the pair dim itself is never split.
 
 from __future__ import annotations
 
-from ..graph import op_name, shape
+from ..graph import op_name, tensor_shape
 from .base import Context, Kind, Outcome, conflict, register
 
 _AS_COMPLEX = "aten.view_as_complex.default"
@@ -20,6 +20,6 @@ class ComplexViewKind(Kind):
 
     def rule(self, node, lays, ctx: Context) -> Outcome:
         lay = lays[(0,)]
-        if op_name(node) == _AS_COMPLEX and lay.dim == len(shape(node.args[0])) - 1:
+        if op_name(node) == _AS_COMPLEX and lay.dim == len(tensor_shape(node.args[0])) - 1:
             return conflict(node, "view_as_complex of a split pair dim")
         return Outcome(lay, rule="complex view")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..graph import args_of, shape
+from ..graph import args_of, tensor_shape
 from .base import Context, Kind, Outcome, conflict, register
 from .factors import expand_labels, factor_rule
 
@@ -40,9 +40,11 @@ def einsum_labels(node, eq: str) -> dict | None:
     tensors = node.args[1]
     if len(specs) != len(tensors):
         return None
-    lab = {(1, j): expand_labels(s, len(shape(t))) for j, (s, t) in enumerate(zip(specs, tensors))}
-    lab["out"] = expand_labels(out, len(shape(node)))
-    if any(v is None or len(v) != len(shape(node if p == "out" else tensors[p[1]]))
+    lab: dict[tuple | str, list[str] | None] = {
+        (1, j): expand_labels(s, len(tensor_shape(t)))
+        for j, (s, t) in enumerate(zip(specs, tensors))}
+    lab["out"] = expand_labels(out, len(tensor_shape(node)))
+    if any(v is None or len(v) != len(tensor_shape(node if p == "out" else tensors[p[1]]))
            for p, v in lab.items()):
         return None
     return lab

@@ -8,7 +8,7 @@ is contracted gives a partial sum (row parallel) where the rule allows.
 
 from __future__ import annotations
 
-from ..graph import hint, op_name, operand, operands, shape
+from ..graph import hint, op_name, operand, operands, shape, tensor_shape
 from ...layouts import Partial, Shard
 from .permute import viewed_parameter
 from .base import R, Context, Kind, Outcome, Role, conflict, register, returns_one_tensor
@@ -40,8 +40,9 @@ class ElementwiseKind(Kind):
     def rule(self, node, lays, ctx: Context) -> Outcome:
         # [B, T, C] + [C]: dims named from the right, d0 d1 d2 + d2
         out_rank = len(shape(node) or ())
-        lab = {p: [f"d{out_rank - len(shape(a)) + i}" for i in range(len(shape(a)))]
-               for p, a in operands(node) if shape(a) is not None}
+        lab: dict[tuple | str, list[str]] = {
+            p: [f"d{out_rank - len(tensor_shape(a)) + i}" for i in range(len(tensor_shape(a)))]
+            for p, a in operands(node) if shape(a) is not None}
         lab["out"] = [f"d{i}" for i in range(out_rank)]
         return factor_rule(node, lays, lab, ctx.size, partial_ok=False, shardable=None,
                            rule="elementwise")
@@ -55,7 +56,7 @@ def labels(node, es) -> dict | None:
     adds no dims to the output, so an operand with more '...' dims than the
     output does not match (matmul with a 1-D operand drops a dim instead).
     """
-    rank = len(shape(node))
+    rank = len(tensor_shape(node))
     out_body = es.output.removeprefix("...")
     if rank < len(out_body):
         return None
@@ -65,8 +66,8 @@ def labels(node, es) -> dict | None:
         if shape(a) is None or len(p) != 1 or p[0] >= len(es.operands):
             continue
         spec = es.operands[p[0]]
-        out[p] = expand_labels(spec, len(shape(a)))
-        if out[p] is None or len(shape(a)) - len(spec.removeprefix("...")) > batch:
+        out[p] = expand_labels(spec, len(tensor_shape(a)))
+        if out[p] is None or len(tensor_shape(a)) - len(spec.removeprefix("...")) > batch:
             return None
     return out if out["out"] is not None else None
 
@@ -88,7 +89,7 @@ def _broadcast_whole(node, lays, labels, tp) -> set:
     on: they are used as they are, as a replicated one would be, and their gradient stays
     the ranks' partial sums (Falcon's ``q @ k.transpose(-1, -2)`` with one K head)."""
     whole = {p for p, lay in lays.items() if isinstance(lay, Shard) and p in labels
-             and lay.replicas == tp and hint(shape(operand(node, p))[lay.dim]) == 1}
+             and lay.replicas == tp and hint(tensor_shape(operand(node, p))[lay.dim]) == 1}
     split = {labels[p][lay.dim] for p, lay in lays.items()
              if isinstance(lay, Shard) and p not in whole and p in labels}
     return {p for p in whole if labels[p][lays[p].dim] in split} if len(split) == 1 else set()
@@ -104,7 +105,7 @@ def factor_rule(node, lays, labels, tp, *, partial_ok, shardable, rule) -> Outco
     """
     sizes: dict = {}
     for p, lab in labels.items():
-        shp = shape(node) if p == "out" else shape(operand(node, p))
+        shp = tensor_shape(node) if p == "out" else tensor_shape(operand(node, p))
         for f, d in zip(lab, shp):
             sizes[f] = max(sizes.get(f, 1), hint(d))
     sharded: dict = {}
@@ -128,7 +129,7 @@ def factor_rule(node, lays, labels, tp, *, partial_ok, shardable, rule) -> Outco
     for p, lab in labels.items():
         if p == "out":
             continue
-        size = hint(shape(operand(node, p))[lab.index(f)]) if f in lab else 1
+        size = hint(tensor_shape(operand(node, p))[lab.index(f)]) if f in lab else 1
         if p in held:
             needs[p] = lays[p]  # as it is: whole on every rank
         elif size == 1:
@@ -149,4 +150,5 @@ def factor_rule(node, lays, labels, tp, *, partial_ok, shardable, rule) -> Outco
             bias = p
     is_row = any(operand(node, p).op == "get_attr" or viewed_parameter(operand(node, p))
                  for p, n in needs.items() if isinstance(n, Shard))
-    return Outcome(Partial(), needs, role=Role.ROW if is_row else Role.PARTIAL, rule=rule, bias=bias)
+    return Outcome(Partial(), needs, role=Role.ROW if is_row else Role.PARTIAL, rule=rule,
+                   bias=bias)

@@ -9,7 +9,7 @@ shape is made whole on every rank (its values do not depend on the input).
 
 from __future__ import annotations
 
-from ..graph import args_of, hint, shape
+from ..graph import args_of, hint, tensor_shape
 from ...layouts import Shard
 from .base import R, Context, Kind, Outcome, local_size, register, tensor_to_tensor
 
@@ -22,7 +22,7 @@ class FreshKind(Kind):
         return tensor_to_tensor(op) and "size" in [a.name for a in op._schema.arguments]
 
     def rule(self, node, lays, ctx: Context) -> Outcome:
-        lay, src, out = lays[(0,)], shape(node.args[0]), shape(node)
+        lay, src, out = lays[(0,)], tensor_shape(node.args[0]), tensor_shape(node)
         if len(out) == len(src) and hint(out[lay.dim]) == hint(src[lay.dim]):
             return Outcome(lay, rule="new tensor shaped like its input: this rank's part")
         return Outcome(R, rule="new tensor of another shape: whole")

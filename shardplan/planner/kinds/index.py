@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..graph import args_of, hint, op_name, operands, shape
+from ..graph import args_of, hint, op_name, operands, tensor_shape
 from ...layouts import Partial, Shard
 from ...torch_compat import FakeTensor
 from .base import R, Context, Kind, Outcome, conflict, cumsum, register, with_dim
@@ -39,7 +39,7 @@ class IndexKind(Kind):
             return conflict(node, "an index tensor that is split")
         hit = [i for i, x in enumerate(indices) if x is not None]
         if lay.dim in hit:
-            whole = _whole_blocks(lay, indices[lay.dim], hint(shape(node.args[0])[lay.dim]),
+            whole = _whole_blocks(lay, indices[lay.dim], hint(tensor_shape(node.args[0])[lay.dim]),
                                   ctx.size) if hit == [lay.dim] else None
             if whole is None:
                 return conflict(node, "index along the sharded dim")
@@ -49,7 +49,8 @@ class IndexKind(Kind):
             return conflict(node, "indexed dims apart from each other (their result moves first)")
         if lay.dim < hit[0]:
             return Outcome(lay, {p: R for p in lays if p != (0,)}, rule="index (other dims)")
-        added = len(shape(node)) - len(shape(node.args[0]))  # index dims in, indexed dims out
+        # index dims in, indexed dims out
+        added = len(tensor_shape(node)) - len(tensor_shape(node.args[0]))
         return Outcome(with_dim(lay, lay.dim + added), {p: R for p in lays if p != (0,)},
                        rule="index (other dims)")
 
@@ -61,7 +62,7 @@ class GatherKind(Kind):
 
     def rule(self, node, lays, ctx: Context) -> Outcome:
         a = args_of(node)
-        dim = a["dim"] % len(shape(node))
+        dim = a["dim"] % len(tensor_shape(node))
         paths = {n: p for p, n in operands(node)}
         src, index = paths[node.args[0]], paths[a["index"]]
         if any(isinstance(x, Partial) for x in lays.values()):
@@ -72,7 +73,7 @@ class GatherKind(Kind):
             return conflict(node, "gather of an input and an index split differently")
         if lay.dim == dim:
             return conflict(node, "gather along the sharded dim")
-        if hint(shape(node.args[0])[lay.dim]) != hint(shape(a["index"])[lay.dim]):
+        if hint(tensor_shape(node.args[0])[lay.dim]) != hint(tensor_shape(a["index"])[lay.dim]):
             return conflict(node, "gather with an index shorter than its input on the sharded dim")
         return Outcome(lay, {src: lay, index: lay}, rule="gather (other dims)")
 
@@ -105,8 +106,10 @@ def constant_index(node) -> list[int] | None:
         node = node.args[0]
     if not isinstance(node, fx.Node) or node.op != "get_attr":
         return None
-    owner, _, leaf = node.target.rpartition(".")
+    owner, _, leaf = str(node.target).rpartition(".")  # a get_attr's target is its name
     root = node.graph.owning_module
+    if root is None:
+        return None
     try:
         t = getattr(root.get_submodule(owner) if owner else root, leaf)
     except AttributeError:

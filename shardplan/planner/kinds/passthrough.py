@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 
-from ..graph import args_of, op_name, shape
+from ..graph import args_of, op_name, tensor_shape
 from .base import R, Context, Kind, Outcome, conflict, register, tensor_to_tensor
 
 
@@ -42,6 +42,6 @@ class SizeKind(Kind):
 
     def rule(self, node, lays, ctx: Context) -> Outcome:
         dim = args_of(node)["dim"]
-        if dim % len(shape(node.args[0])) == lays[(0,)].dim:
+        if dim % len(tensor_shape(node.args[0])) == lays[(0,)].dim:
             return conflict(node, f"{op_name(node)} asks for the size of the sharded dim")
         return Outcome(None, rule="size of another dim")

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch.fx as fx
 
-from ..graph import args_of, op_name, shape
+from ..graph import args_of, op_name, shape, tensor_shape
 from ...layouts import Shard
 from .base import Context, Kind, Outcome, register, with_dim
 
@@ -32,7 +34,7 @@ class PermuteKind(Kind):
 
     def rule(self, node, lays, ctx: Context) -> Outcome:
         lay = lays[(0,)]
-        perm = PERMUTATIONS[op_name(node)](args_of(node), len(shape(node)))
+        perm = PERMUTATIONS[op_name(node)](args_of(node), len(tensor_shape(node)))
         return Outcome(with_dim(lay, perm.index(lay.dim)), rule="permute")
 
 
@@ -52,10 +54,11 @@ def viewed_parameter(node: fx.Node) -> tuple[fx.Node, list] | None:
     if src.op != "get_attr":
         return None
     if op_name(node) in PERMUTATIONS:
-        return src, [dims[d] for d in PERMUTATIONS[op_name(node)](args_of(node), len(shape(node)))]
+        perm = PERMUTATIONS[op_name(node)](args_of(node), len(tensor_shape(node)))
+        return src, [dims[d] for d in perm]
     index = args_of(node).get("indices") if op_name(node) == "aten.index.Tensor" else None
     if index and len(index) == 1 and isinstance(index[0], fx.Node) and shape(index[0]):
-        return src, [None] * len(shape(index[0])) + dims[1:]
+        return src, [None] * len(tensor_shape(index[0])) + dims[1:]
     return None
 
 
@@ -68,26 +71,27 @@ def experts_view(node: fx.Node) -> tuple[fx.Node, int] | None:
                                                            "aten.reshape.default"):
         return None
     src = node.args[0]
-    sizes = list(node.args[1]) if len(node.args) > 1 else []
+    sizes = list(cast(list, node.args[1])) if len(node.args) > 1 else []
     if not (isinstance(src, fx.Node) and src.op == "get_attr") or len(sizes) != 3 \
-            or sizes[1] != -1 or len(shape(src)) != 2 or shape(node)[2] != shape(src)[1] \
+            or sizes[1] != -1 or len(tensor_shape(src)) != 2 \
+            or tensor_shape(node)[2] != tensor_shape(src)[1] \
             or not all(op_name(u) in PERMUTATIONS or op_name(u) == "aten.index.Tensor"
                        for u in node.users):
         return None
-    return src, shape(node)[0]
+    return src, tensor_shape(node)[0]
 
 
 def parameter_layout(node: fx.Node, need: Shard) -> Shard | None:
     """The layout the weight ``node`` views (``viewed_parameter``) is held with for the
     view to be ``need``; None where ``need`` splits gathered rows or experts."""
-    src, dims = viewed_parameter(node)
+    src, dims = cast(tuple, viewed_parameter(node))  # a view: its callers checked
     d = dims[need.dim]
     if d is None:
         return None
-    experts = experts_view(node.args[0])
+    experts = experts_view(cast(fx.Node, node.args[0]))
     if experts and d == 0:  # each expert's rows, split alike: the experts as blocks
         if need.blocks or need.padded or need.replicas != 1:
             return None
-        rows = shape(src)[0] // experts[1]
+        rows = tensor_shape(src)[0] // experts[1]
         return Shard(0, (rows,) * experts[1] if experts[1] > 1 else None)
     return with_dim(need, d)

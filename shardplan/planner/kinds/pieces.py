@@ -9,7 +9,7 @@ and the cut points become this rank's: ``split(qkv, C)`` runs as
 
 from __future__ import annotations
 
-from ..graph import args_of, hint, op_name, operands, shape
+from ..graph import args_of, hint, op_name, operands, tensor_shape
 from ...layouts import Shard
 from ..reshape import group_blocks
 from .base import Context, Kind, Outcome, conflict, cumsum, register, with_dim
@@ -28,7 +28,7 @@ class SplitKind(Kind):
 
     def rule(self, node, lays, ctx: Context) -> Outcome:
         lay = lays[(0,)]
-        dim = args_of(node)["dim"] % len(shape(node.args[0]))
+        dim = args_of(node)["dim"] % len(tensor_shape(node.args[0]))
         pieces = [tuple(v.shape) for v in node.meta["val"]]
         if dim != lay.dim:
             d = lay.dim - (1 if op_name(node) in _DROPS_DIM and lay.dim > dim else 0)
@@ -44,14 +44,15 @@ class SplitKind(Kind):
         return Outcome(out, rule="split (sharded dim, by blocks)")
 
     def cuts(self, node, dim) -> set[int]:
-        if op_name(node) in _DROPS_DIM or args_of(node)["dim"] % len(shape(node.args[0])) != dim:
+        if op_name(node) in _DROPS_DIM \
+                or args_of(node)["dim"] % len(tensor_shape(node.args[0])) != dim:
             return set()
         return set(cumsum(hint(v.shape[dim]) for v in node.meta["val"]))
 
     def local_args(self, node, src, out, size, divide) -> dict:
         arg = _SPLITS[op_name(node)]
         args = args_of(node)
-        if arg is None or args["dim"] % len(shape(node.args[0])) != src.dim:
+        if arg is None or args["dim"] % len(tensor_shape(node.args[0])) != src.dim:
             return {}
         sizes = args[arg]
         if isinstance(sizes, (list, tuple)):
@@ -66,13 +67,13 @@ class SliceKind(Kind):
 
     def rule(self, node, lays, ctx: Context) -> Outcome:
         lay = lays[(0,)]
-        dim = args_of(node)["dim"] % len(shape(node.args[0]))
+        dim = args_of(node)["dim"] % len(tensor_shape(node.args[0]))
         if dim != lay.dim:
             d = lay.dim - (1 if op_name(node) in _DROPS_DIM and lay.dim > dim else 0)
             return Outcome(with_dim(lay, d), rule="slice (other dim)")
         if op_name(node) in _DROPS_DIM:
             return conflict(node, "select on the sharded dim")
-        full = hint(shape(node.args[0])[dim])
+        full = hint(tensor_shape(node.args[0])[dim])
         start, stop = _range(node, full)
         if start is None:
             return conflict(node, "strided slice of a dim merging batch and heads") \
@@ -87,17 +88,18 @@ class SliceKind(Kind):
         return Outcome(piece, rule="slice (sharded dim, whole blocks)")
 
     def cuts(self, node, dim) -> set[int]:
-        if op_name(node) in _DROPS_DIM or args_of(node)["dim"] % len(shape(node.args[0])) != dim:
+        if op_name(node) in _DROPS_DIM \
+                or args_of(node)["dim"] % len(tensor_shape(node.args[0])) != dim:
             return set()
-        start, stop = _range(node, hint(shape(node.args[0])[dim]))
+        start, stop = _range(node, hint(tensor_shape(node.args[0])[dim]))
         return set() if start is None else {start, stop}
 
     def local_args(self, node, src, out, size, divide) -> dict:
         args = args_of(node)
-        if op_name(node) in _DROPS_DIM or args["dim"] % len(shape(node.args[0])) != src.dim \
+        if op_name(node) in _DROPS_DIM or args["dim"] % len(tensor_shape(node.args[0])) != src.dim \
                 or src.period:  # the whole dim: nothing to change
             return {}
-        full = hint(shape(node.args[0])[src.dim])
+        full = hint(tensor_shape(node.args[0])[src.dim])
         start, stop = _range(node, full)
         if start is None:  # every step-th of the whole dim: the same start, the end clamps
             return {}
@@ -112,21 +114,21 @@ class SliceKind(Kind):
 def piece_bounds(node, piece: int | None) -> tuple[int | None, int | None]:
     """``[start, stop)`` along its dim of what ``node`` cuts out: a slice's range, or
     piece ``piece`` of a split; (None, None) for a strided slice."""
-    dim = args_of(node)["dim"] % len(shape(node.args[0]))
+    dim = args_of(node)["dim"] % len(tensor_shape(node.args[0]))
     if piece is None:
-        return _range(node, hint(shape(node.args[0])[dim]))
+        return _range(node, hint(tensor_shape(node.args[0])[dim]))
     sizes = [hint(v.shape[dim]) for v in node.meta["val"]]
     return sum(sizes[:piece]), sum(sizes[:piece + 1])
 
 
 def _piece(lay: Shard, dim: int, i: int, j: int) -> Shard:
     """The shard of blocks ``i:j`` of ``lay`` (each block keeps its replica count)."""
-    blocks, reps = (lay.blocks or (None,))[i:j], lay.block_replicas()[i:j]
+    blocks, reps = (lay.blocks or ())[i:j], lay.block_replicas()[i:j]
     return Shard(dim, blocks if len(blocks) > 1 else None, None,
                  reps if len(reps) > 1 else reps[0])
 
 
-def _pieces(lay: Shard, dim: int, sizes: list[int]) -> list[Shard] | None:
+def _pieces(lay: Shard, dim: int, sizes: list[int]) -> tuple[Shard, ...] | None:
     """The shards of consecutive pieces of ``sizes`` along ``lay``'s dim, made of whole
     blocks; None if a piece would cut one."""
     groups = group_blocks(lay, sizes)
@@ -176,7 +178,7 @@ class ConcatKind(Kind):
     ops = frozenset({"aten.cat.default"})
 
     def rule(self, node, lays, ctx: Context) -> Outcome:
-        dim = args_of(node)["dim"] % len(shape(node))
+        dim = args_of(node)["dim"] % len(tensor_shape(node))
         ls = [lays[(0, j)] for j in range(len(node.args[0]))]
         split = [lay for lay in ls if isinstance(lay, Shard)]
         if len({lay.dim for lay in split}) != 1:
@@ -190,9 +192,9 @@ class ConcatKind(Kind):
             return Outcome(split[0], needs, rule="cat (other dim)")
         if len(split) != len(ls):
             return conflict(node, "cat of sharded and replicated tensors")
-        blocks = []
+        blocks: list[int] = []
         for lay, (_, a) in zip(ls, operands(node)):
             if lay.padded or lay.period:
                 return conflict(node, "cat of padded shards, or of dims merging batch and heads")
-            blocks.extend(lay.blocks or [hint(shape(a)[dim])])
+            blocks.extend(lay.blocks or [hint(tensor_shape(a)[dim])])
         return Outcome(Shard(dim, tuple(blocks)), rule="cat (sharded dim: blocks)")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..graph import args_of, op_name, shape
+from ..graph import args_of, op_name, tensor_shape
 from ...layouts import Partial, Shard
 from .base import R, Context, Kind, Outcome, Conflict, Role, conflict, register, \
     tensor_to_tensor, any_sharded, with_dim
@@ -30,18 +30,20 @@ class ReduceKind(Kind):
         and ``topk``'s values and indices)."""
         rets = op._schema.returns
         return tensor_to_tensor(op) or (
-            bool(op._schema.arguments) and isinstance(op._schema.arguments[0].type, torch.TensorType)
+            bool(op._schema.arguments)
+            and isinstance(op._schema.arguments[0].type, torch.TensorType)
             and bool(rets) and all(isinstance(r.type, torch.TensorType) for r in rets))
 
     def rule(self, node, lays, ctx: Context) -> Outcome:
         lay = lays[(0,)]
         if not isinstance(lay, Shard):
-            return conflict(node, f"{op_name(node)} on a tensor sharded only in a secondary operand")
+            return conflict(node,
+                            f"{op_name(node)} on a tensor sharded only in a secondary operand")
         for p in lays:
             if p != (0,) and any_sharded(lays[p]):
                 return conflict(node, f"{op_name(node)} with a sharded secondary operand")
         spec = ctx.rules.reduce[op_name(node)]
-        rank = len(shape(node.args[0]))
+        rank = len(tensor_shape(node.args[0]))
         dims = self._dims(node, spec.dim, rank)
         if lay.dim in dims:
             if spec.distributed and node.name not in ctx.whole and not lay.padded \

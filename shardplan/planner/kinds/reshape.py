@@ -9,10 +9,11 @@ becomes the local one: ``view(x, [B, T, 12, 64])`` on rank r of tp=4 holding
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import cast
 
 import torch
 
-from ..graph import args_of, hint, is_symbolic, op_name, shape
+from ..graph import args_of, hint, is_symbolic, op_name, shape, tensor_shape
 from ..reshape import map_reshape, reshape_groups
 from ...layouts import Shard
 from .equation import einsum_labels
@@ -40,7 +41,7 @@ class ReshapeKind(Kind):
 
     def rule(self, node, lays, ctx: Context) -> Outcome:
         lay = lays[(0,)]
-        src, dst = list(shape(node.args[0])), shape(node)
+        src, dst = list(tensor_shape(node.args[0])), tensor_shape(node)
         if lay.replicas != 1 and _merges_expanded_copies(node, lay, ctx):
             d = lay.dim  # the copies of each part are split between the ranks holding it
             src[d:d + 2] = [hint(src[d]) * hint(src[d + 1])]  # [B, KV, n, T, D] -> [B, KV*n, T, D]
@@ -64,7 +65,8 @@ class ReshapeKind(Kind):
         """A fused output viewed with its pieces as a new major dim that is then taken
         apart (``qkv.view(B, T, 3, H, D)``, then ``unbind``/index along the 3): the
         pieces' edges, so the column shard is blocked ``[q_r | k_r | v_r]``."""
-        src, dst = [hint(x) for x in shape(node.args[0])], [hint(x) for x in shape(node)]
+        src = [hint(x) for x in tensor_shape(node.args[0])]
+        dst = [hint(x) for x in tensor_shape(node)]
         for (a, b), (c, e) in reshape_groups(src, dst) or []:
             if (a, b) == (dim, dim + 1) and e - c >= 2 and dst[c] > 1:
                 piece = src[dim] // dst[c]
@@ -77,7 +79,7 @@ class ReshapeKind(Kind):
         if not isinstance(out, Shard) or not isinstance(sizes, (list, tuple)):
             return {}
         sizes = list(sizes)
-        j = out.dim - (len(shape(node)) - len(sizes))  # unflatten's sizes cover some dims
+        j = out.dim - (len(tensor_shape(node)) - len(sizes))  # unflatten's sizes cover some dims
         if not 0 <= j < len(sizes):
             return {}
         sizes[j] = local_size(sizes[j], out, size, divide)
@@ -91,7 +93,7 @@ class ExpandKind(Kind):
 
     def rule(self, node, lays, ctx: Context) -> Outcome:
         lay = lays[(0,)]
-        src, dst = shape(node.args[0]), shape(node)
+        src, dst = tensor_shape(node.args[0]), tensor_shape(node)
         if lay.replicas == ctx.size and not lay.blocks:
             lay = _onto_repeated_head(lay, [hint(x) for x in src], [hint(x) for x in dst])
         d = lay.dim + len(dst) - len(src)
@@ -114,7 +116,7 @@ class ExpandKind(Kind):
             return {}
         j = out.dim
         sizes[j] = local_size(sizes[j], out, size, divide)
-        if out.replicas > 1:  # the copies split between the replicas
+        if isinstance(out.replicas, int) and out.replicas > 1:  # copies split between replicas
             s = sizes[j + 1]
             sizes[j + 1] = (s if s == -1 else s // out.replicas) if isinstance(s, int) \
                 else divide(s, out.replicas)
@@ -133,8 +135,8 @@ class RepeatKind(Kind):
 
     def rule(self, node, lays, ctx: Context) -> Outcome:
         lay = lays[(0,)]
-        repeats, size = args_of(node)["repeats"], shape(node.args[0])[lay.dim]
-        d = lay.dim + len(repeats) - len(shape(node.args[0]))
+        repeats, size = args_of(node)["repeats"], tensor_shape(node.args[0])[lay.dim]
+        d = lay.dim + len(repeats) - len(tensor_shape(node.args[0]))
         if isinstance(repeats[d], int) and repeats[d] == 1:
             return Outcome(with_dim(lay, d), rule="repeat (other dims)")
         if lay.padded or is_symbolic(size):
@@ -159,7 +161,7 @@ def _inside_one_head(node, lay: Shard, ctx: Context) -> bool:
     """Does ``node``'s input hold one head in a size-1 dim before its split dim, later
     broadcast against more heads? Then the split cuts inside that head (GPT-BigCode's
     ``c_attn(x).unsqueeze(1).split(...)``: the K piece ``[B, 1, T, D]`` split on D)."""
-    src = [hint(x) for x in shape(node.args[0])]
+    src = [hint(x) for x in tensor_shape(node.args[0])]
     if lay.blocks or lay.padded:
         return False
     return any(src[h] == 1 and _broadcast_later(node.args[0], h, ctx) for h in range(lay.dim))
@@ -175,15 +177,15 @@ def _merges_expanded_copies(node, lay: Shard, ctx: Context) -> bool:
     d = lay.dim
     if ctx.kind_of(src) != "expand" or lay.blocks or lay.padded:
         return False
-    before = shape(src.args[0])
-    off = len(shape(src)) - len(before)
+    before = tensor_shape(src.args[0])
+    off = len(tensor_shape(src)) - len(before)
     if d + 1 - off >= len(before) or hint(before[d + 1 - off]) != 1:
         return False
-    dst = [hint(x) for x in shape(node)]
-    src_h = [hint(x) for x in shape(src)]
+    dst = [hint(x) for x in tensor_shape(node)]
+    src_h = [hint(x) for x in tensor_shape(src)]
     merged = src_h[:d] + [src_h[d] * src_h[d + 1]] + src_h[d + 2:]
     return reshape_groups(merged, dst) is not None and \
-        hint(shape(src)[d + 1]) % lay.replicas == 0
+        hint(tensor_shape(src)[d + 1]) % cast(int, lay.replicas) == 0  # no blocks: one count
 
 
 def _repeats_heads_outer(node, res: Shard, ctx: Context) -> bool:
@@ -193,15 +195,15 @@ def _repeats_heads_outer(node, res: Shard, ctx: Context) -> bool:
     -expand-> [B, r, KV, T, D] -reshape-> [B, r*KV, T, D]``? Query head ``h`` then reads
     K/V head ``h % KV``: a contiguous split of the query heads needs all K/V heads."""
     h = res.dim - 1
-    dst = [hint(x) for x in shape(node)]
+    dst = [hint(x) for x in tensor_shape(node)]
     if h < 0 or dst[h] != 1 or dst[res.dim] == 1 or res.blocks or res.padded:
         return False
     for expand in node.users:
-        if ctx.kind_of(expand) != "expand" or hint(shape(expand)[h]) == 1:
+        if ctx.kind_of(expand) != "expand" or hint(tensor_shape(expand)[h]) == 1:
             return False
         for merge in expand.users:
-            out = [hint(x) for x in shape(merge)]
-            wide = [hint(x) for x in shape(expand)]
+            out = [hint(x) for x in tensor_shape(merge)]
+            wide = [hint(x) for x in tensor_shape(expand)]
             if ctx.kind_of(merge) != "reshape" or ((h, h + 2), (h, h + 1)) not in (
                     reshape_groups(wide, out) or []):
                 return False
@@ -215,11 +217,12 @@ def _one_head_split(node, lay: Shard, res: Shard, ctx: Context) -> bool:
     ``[B, T, D] -> [B, T, 1, D]`` is an unsqueeze by shape; it is a head split
     when the size-1 dim meets an expand or a broadcast to more than one.
     """
-    src, dst = [hint(x) for x in shape(node.args[0])], [hint(x) for x in shape(node)]
+    src, dst = [hint(x) for x in tensor_shape(node.args[0])], [hint(x) for x in tensor_shape(node)]
     h = res.dim - 1
     if h < 0 or dst[h] != 1 or lay.blocks or lay.padded:
         return False
-    group = next(((a, b), (c, e)) for (a, b), (c, e) in reshape_groups(src, dst) if a <= lay.dim < b)
+    group = next(((a, b), (c, e)) for (a, b), (c, e) in reshape_groups(src, dst)
+                 if a <= lay.dim < b)
     return group[1][0] <= h and _broadcast_later(node, h, ctx)
 
 
@@ -233,7 +236,7 @@ def _broadcast_later(node, d: int, ctx: Context) -> bool:
         if (cur, d) in seen:
             continue
         seen.add((cur, d))
-        src = [hint(x) for x in shape(cur)]
+        src = [hint(x) for x in tensor_shape(cur)]
         for user in cur.users:
             kind = ctx.kind_of(user) if user.op == "call_function" else None
             if kind in ("split", "slice", "concat") and op_name(user) not in _DROPS:
@@ -242,23 +245,24 @@ def _broadcast_later(node, d: int, ctx: Context) -> bool:
                 else:
                     frontier.append((user, d))
                 continue
-            out = shape(user) if isinstance(user.meta.get("val"), torch.Tensor) else None
-            if kind == "equation" and out is not None:  # the dim's letter, if kept
+            shp = shape(user) if isinstance(user.meta.get("val"), torch.Tensor) else None
+            if kind == "equation" and shp is not None:  # the dim's letter, if kept
                 e = _einsum_dim(user, cur, d)
-                if e is not None and hint(out[e]) > 1:
+                if e is not None and hint(shp[e]) > 1:
                     return True
                 frontier.extend([] if e is None else [(user, e)])
                 continue
-            if out is None or user.args[0] is not cur and kind != "elementwise":
+            if shp is None or user.args[0] is not cur and kind != "elementwise":
                 continue
-            out = [hint(x) for x in out]
+            out = [hint(x) for x in shp]
             if kind in ("identity", "elementwise") and len(out) >= len(src):
                 e = d + len(out) - len(src)
                 if out[e] > 1:
                     return True
                 frontier.append((user, e))
             elif kind == "permute":
-                frontier.append((user, PERMUTATIONS[op_name(user)](args_of(user), len(out)).index(d)))
+                perm = PERMUTATIONS[op_name(user)](args_of(user), len(out))
+                frontier.append((user, perm.index(d)))
             elif kind == "reshape":
                 groups = reshape_groups(src, out) or []
                 frontier.extend((user, c) for (a, b), (c, e) in groups
@@ -284,18 +288,19 @@ def _cut_points(node, d: int) -> set[int]:
     along it, directly or after permutes and cuts along other dims: indices along ``d``
     (Falcon's ``[..., :-2, :]``, ``[..., [-2], :]``, ``[..., [-1], :]`` of ``H + 2`` heads
     cut at ``H`` and ``H + 1``)."""
-    size = hint(shape(node)[d])
+    size = hint(tensor_shape(node)[d])
     out: set[int] = set()
     for user in node.users:
         name = op_name(user) if user.op == "call_function" else ""
         if name in PERMUTATIONS:
-            out |= _cut_points(user, PERMUTATIONS[name](args_of(user), len(shape(user))).index(d))
+            perm = PERMUTATIONS[name](args_of(user), len(tensor_shape(user)))
+            out |= _cut_points(user, perm.index(d))
         elif name == "aten.index.Tensor" and user.args[0] is node:
             idx = list(args_of(user)["indices"])
             at = constant_index(idx[d]) if d < len(idx) and idx[d] is not None else None
             out |= {p for v in at or () for p in (v % size, v % size + 1)}
         elif name in _CUTS:
-            cut, val = args_of(user)["dim"] % len(shape(node)), user.meta.get("val")
+            cut, val = args_of(user)["dim"] % len(tensor_shape(node)), user.meta.get("val")
             pieces = isinstance(val, (list, tuple))
             if cut == d and name in _DROPS:
                 out |= set(range(1, size))

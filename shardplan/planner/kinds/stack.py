@@ -8,7 +8,7 @@ and a replicated piece is sliced to this rank's part to join them.
 
 from __future__ import annotations
 
-from ..graph import args_of, shape
+from ..graph import args_of, tensor_shape
 from ...layouts import Shard
 from .base import Context, Kind, Outcome, conflict, register, with_dim
 
@@ -24,7 +24,7 @@ class StackKind(Kind):
         if len(sharded) != 1:
             return conflict(node, "stack of differently sharded tensors")
         lay = sharded.pop()
-        dim = args_of(node)["dim"] % len(shape(node))
+        dim = args_of(node)["dim"] % len(tensor_shape(node))
         needs = {(0, j): lay for j, p in enumerate(pieces) if not isinstance(p, Shard)}
         return Outcome(with_dim(lay, lay.dim + (1 if dim <= lay.dim else 0)), needs,
                        rule="stack (new dim)")
