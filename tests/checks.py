@@ -91,6 +91,21 @@ def megatron_count(layers: int, b: int, s: int, h: int, *, recompute: bool = Fal
     return {"forward": fwd, "backward": bwd}
 
 
+def decode_calls(records, batch: int) -> list[list[tuple]]:
+    """A generation's ``(kind, elements)`` records split into its model calls: each call
+    ends with the broadcast of its batch of tokens (asserted); nothing may follow the last."""
+    calls, current = [], []
+    for kind, elements in records:
+        if kind == "broadcast":
+            assert elements == batch
+            calls.append(current)
+            current = []
+        else:
+            current.append((kind, elements))
+    assert not current, current
+    return calls
+
+
 def ledger_count(records) -> dict[str, Counter]:
     """The same shape as ``megatron_count`` from a rank's ``CommRecord``s."""
     out = {"forward": Counter(), "backward": Counter()}

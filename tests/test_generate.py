@@ -30,6 +30,8 @@ from shardplan.ranks import SimulatedRanks
 from shardplan.runtime.ledger import CommLedger
 from shardplan.sharded import ShardedModule, parallel_step
 
+from checks import decode_calls
+
 pytestmark = pytest.mark.timeout(300)
 
 NEW, VOCAB, CACHE = 5, 101, 16  # 5 prompt + 5 new tokens fit a 16-slot cache
@@ -126,15 +128,8 @@ def assert_one_token_steps(records: list[tuple[str, int]]) -> None:
     call ends with the broadcast of its batch of tokens."""
     ids, _ = prompts()
     batch, prompt = ids.shape
-    calls, current = [], []
-    for kind, elements in records:
-        if kind == "broadcast":
-            assert elements == batch
-            calls.append(current)
-            current = []
-        else:
-            current.append((kind, elements))
-    assert len(calls) == NEW and not current, calls
+    calls = decode_calls(records, batch)
+    assert len(calls) == NEW, calls
     prefill, *steps = calls
     assert ("all_reduce", batch * prompt * WIDTH) in prefill, prefill
     one = [(k, e // prompt if e % (batch * prompt) == 0 else e) for k, e in prefill]

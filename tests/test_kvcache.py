@@ -21,6 +21,7 @@ from shardplan.ranks import SimulatedRanks
 from shardplan.runtime.ledger import CommLedger
 from shardplan.sharded import ShardedModule
 
+from checks import decode_calls
 from test_generate import CACHE, NEW, SAMPLE, cache_report, example, prompts
 from test_generate import build as build_hf
 
@@ -55,15 +56,8 @@ def test_decode_steps_communicate_one_token():
                                 capture(step, step.example(2), {}))
     for out, records in got:
         assert torch.equal(out, expected)
-        calls, current = [], []
-        for kind, elements in records:  # one model call, then the broadcast of its tokens
-            if kind == "broadcast":
-                assert elements == batch
-                calls.append(current)
-                current = []
-            else:
-                current.append((kind, elements))
-        assert len(calls) == NEW and not current
+        calls = decode_calls(records, batch)  # one model call, then its tokens' broadcast
+        assert len(calls) == NEW
         prefill, *steps = calls
         assert prefill[-1] == ("all_gather", batch * vocab)
         assert {k for k, _ in prefill[:-1]} == {"all_reduce"} and len(prefill) > 4
