@@ -7,7 +7,7 @@ it writes the model with ``save_pretrained`` and, beside it, the exported plans
 and the unsharded model's own results (logits; loss and every gradient of one
 backward). ``run_all`` then executes every prepared export on one pool of 2
 real gloo ranks (one spawn for all families and both runtimes);
-``run_families`` does all of it on the pool, each rank building, planning and
+``family_exports.run_families`` does all of it on the pool, each rank building, planning and
 exporting every other family, a few at a time:
 
 - HF: ``from_pretrained(folder, distributed_config=DistributedConfig(tp_plan=plan,
@@ -34,7 +34,7 @@ TARGETS = ("hf", "dtensor")
 ATOL, RTOL = 2e-5, 1e-4
 
 
-def _head(text: str, n: int = 200) -> str:
+def head(text: str, n: int = 200) -> str:
     text = " ".join(str(text).split())
     return text[:n] + ("..." if len(text) > n else "")
 
@@ -42,7 +42,7 @@ def _head(text: str, n: int = 200) -> str:
 def refusal(e: Exception) -> str:
     """A LayoutError's first problem line (the module, layout and reason)."""
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    return _head(lines[1] if len(lines) > 1 else lines[0], 320)  # to the source line
+    return head(lines[1] if len(lines) > 1 else lines[0], 320)  # to the source line
 
 
 def prepare(model, plan, inputs: dict, folder: Path, class_name: str,
@@ -64,7 +64,7 @@ def prepare(model, plan, inputs: dict, folder: Path, class_name: str,
         except LayoutError as e:
             outcome[target] = "refused: " + refusal(e)
         except Exception as e:  # noqa: BLE001 - an exporter crash is a bug, recorded
-            outcome[target] = f"crash: {type(e).__name__}: {_head(e)}"
+            outcome[target] = f"crash: {type(e).__name__}: {head(e)}"
     if exported:
         folder = Path(folder)
         # under a process group transformers writes on rank 0 only; this unsharded model is
@@ -109,7 +109,7 @@ def _split_params(model) -> dict:
     return out
 
 
-def _rank_step(ctx, folder: str, target: str) -> dict:
+def rank_step(ctx, folder: str, target: str) -> dict:
     """On each rank: run one export of ``folder`` in its runtime."""
     import warnings
 
@@ -150,7 +150,7 @@ def compare(saved: dict, target: str, results: list) -> str:
         if split != want_split:
             missing, extra = sorted(want_split - split), sorted(split - want_split)
             return (f"WRONG: rank {rank} split other parameters than the plan (not split: "
-                    f"{_head(', '.join(missing), 80) or '-'}; also split: {_head(', '.join(extra), 80) or '-'})")
+                    f"{head(', '.join(missing), 80) or '-'}; also split: {head(', '.join(extra), 80) or '-'})")
         pairs = [("logits", got["logits"], ref["logits"])] if "logits" in got else []
         pairs += [("logits (training)", got["train_logits"], ref["train_logits"]),
                   ("loss", got["loss"], ref["loss"])]
@@ -179,9 +179,9 @@ def run_all(prepared: dict, ranks=None, timeout: float = 120.0) -> dict:
             saved = torch.load(Path(folder) / "export.pt", weights_only=False)
             for target in saved["exported"]:
                 try:
-                    results = pool.run(_rank_step, str(folder), target)
+                    results = pool.run(rank_step, str(folder), target)
                 except Exception as e:  # noqa: BLE001 - the runtime failed: an export bug
-                    out[(family, target)] = _crash(e)
+                    out[(family, target)] = crash_outcome(e)
                     continue
                 out[(family, target)] = compare(saved, target, results)
     finally:
@@ -190,72 +190,5 @@ def run_all(prepared: dict, ranks=None, timeout: float = 120.0) -> dict:
     return out
 
 
-def _crash(e: Exception) -> str:
-    return f"crash: {type(e).__name__}: {_head(str(e).splitlines()[0] if str(e) else e)}"
-
-
-def prepare_family(family: str, folder: Path) -> dict:
-    """Build a survey family tiny (``benchmarks.coverage``), plan it at ``TP`` and
-    ``prepare`` both exports: ``{"export": {target: outcome}, "modules": [...]}`` (the
-    model's module names), or ``{"not_planned": why}``."""
-    import shardplan
-
-    from . import coverage
-
-    task, class_name = coverage.families()[family]
-    inputs = coverage.example_inputs(task)
-    try:
-        model = coverage.build(family, class_name)
-        plan = shardplan.plan(model, TP, example_inputs=inputs)
-    except Exception as e:  # noqa: BLE001 - the survey's "not built" / "refused": nothing to export
-        return {"not_planned": f"{type(e).__name__}: {_head(e)}"}
-    return {"export": prepare(model, plan, inputs, folder, class_name),
-            "modules": [n for n, _ in model.named_modules()]}
-
-
-def _rank_families(ctx, families: list, tmp: str) -> dict:
-    """On each rank: prepare every ``world_size``-th family from ``rank`` on, then run
-    every export of each family."""
-    import torch.distributed as dist
-
-    out = {f: {"prepared": prepare_family(f, Path(tmp) / f)} for f in families[ctx.rank::ctx.world_size]}
-    dist.barrier()  # every folder is written
-    for family in families:
-        folder = Path(tmp) / family
-        if not (folder / "export.pt").exists():
-            continue
-        runs = out.setdefault(family, {}).setdefault("runs", {})
-        for target in torch.load(folder / "export.pt", weights_only=False)["exported"]:
-            try:
-                runs[target] = _rank_step(ctx, str(folder), target)
-            except Exception as e:  # noqa: BLE001 - the runtime failed on this rank: an export bug
-                runs[target] = _crash(e)
-    return out
-
-
-def run_families(families: list[str], tmp: Path, ranks, per_rank: int = 2) -> dict:
-    """``{family: {target: outcome, "modules": [...]} | {"not_planned": why}}`` for survey
-    families, on the ``TP`` real gloo ranks of ``ranks``, ``per_rank`` families per rank at
-    a time: each rank builds, plans and exports its share (``prepare_family``), then every
-    rank runs every export of the lot. ``modules`` are the model's module names (what a
-    refusal may name)."""
-    out = {}
-    size = ranks.world_size * per_rank
-    for i in range(0, len(families), size):
-        lot = families[i:i + size]
-        results = ranks.run(_rank_families, lot, str(tmp))
-        for family in lot:
-            prepared = next(r[family]["prepared"] for r in results if "prepared" in r.get(family, {}))
-            if "not_planned" in prepared:
-                out[family] = prepared
-                continue
-            outcome = dict(prepared["export"], modules=prepared["modules"])
-            folder = Path(tmp) / family
-            if (folder / "export.pt").exists():
-                saved = torch.load(folder / "export.pt", weights_only=False)
-                for target in saved["exported"]:
-                    got = [r[family]["runs"][target] for r in results]
-                    crash = next((g for g in got if isinstance(g, str)), None)
-                    outcome[target] = crash or compare(saved, target, got)
-            out[family] = outcome
-    return out
+def crash_outcome(e: Exception) -> str:
+    return f"crash: {type(e).__name__}: {head(str(e).splitlines()[0] if str(e) else e)}"

@@ -345,12 +345,12 @@ SURVEY_EXPORTS = {
 @pytest.fixture(scope="module")
 def survey_exports(real_ranks, tmp_path_factory):
     """Every survey family built tiny, planned at tp 2, exported both ways and run in both
-    runtimes on 2 real gloo ranks (``export_check.run_families``: one pool for all, each
+    runtimes on 2 real gloo ranks (``family_exports.run_families``: one pool for all, each
     rank preparing every other family)."""
-    from benchmarks import coverage, export_check
+    from benchmarks import coverage, family_exports
 
     assert sorted(SURVEY_EXPORTS) == sorted(coverage.REPRESENTATIVE)  # the survey's own list
-    return export_check.run_families(list(coverage.REPRESENTATIVE), tmp_path_factory.mktemp("exports"),
+    return family_exports.run_families(list(coverage.REPRESENTATIVE), tmp_path_factory.mktemp("exports"),
                                      real_ranks(2))
 
 
