@@ -12,6 +12,7 @@ outside, so the sharded module captures that call anew.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import sympy
@@ -65,7 +66,7 @@ class InputShapes:
                 if size < low or (high is not None and size > high):
                     top = "inf" if high is None else high
                     return f"input {i} dim {d} is {size}, outside the graph's [{low}, {top}]"
-                sym = sympy.sympify(expr)
+                sym = _parsed(expr)
                 if isinstance(sym, sympy.Symbol):
                     if bound.setdefault(sym, size) != size:
                         return (f"input {i} dim {d} is {size} but the graph has it equal to "
@@ -77,6 +78,12 @@ class InputShapes:
             if value.is_number and int(value) != size:
                 return f"input {i} dim {d} is {size}; the graph has it {sym} = {value}"
         return None
+
+
+@functools.lru_cache(maxsize=None)
+def _parsed(expr: str):
+    """A dim's expression, parsed once (``mismatch`` runs on every call)."""
+    return sympy.sympify(expr)
 
 
 def _bound(value) -> int | None:
