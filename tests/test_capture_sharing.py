@@ -29,7 +29,8 @@ from planner_cases import batch, make_model, reference
 
 @pytest.fixture
 def exports(monkeypatch):
-    """The number of ``torch.export.export`` calls so far (a list of one int)."""
+    """The number of ``torch.export.export`` calls so far (a list of one int); the
+    session's share (conftest) set aside, so each test counts its own exports."""
     count = [0]
     real = torch.export.export
 
@@ -38,7 +39,8 @@ def exports(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(torch.export, "export", counted)
-    return count
+    with shared_capture.sharing(None):
+        yield count
 
 
 def parallel_run(ctx, model, idx, tgt, share: bool = True):
@@ -175,6 +177,34 @@ def test_no_share_outside_a_launch(exports):
     capture(base, (x,))
     capture(copy.deepcopy(base), (x,))
     assert exports[0] == 2
+
+
+def test_a_share_the_caller_holds_serves_every_simulated_run(exports):
+    """Simulated runs in a ``sharing`` scope use that share: the second run exports
+    nothing, and its ranks' captures read their own models' tensors."""
+    x, base, _ = _variants()
+
+    def rank_capture(ctx, model):
+        captured = capture(model, (x,))
+        return {name for name, t in captured.gm.named_parameters()
+                if not any(t is p for p in model.parameters())}
+
+    with shared_capture.sharing(shared_capture.CaptureShare()):
+        first = SimulatedRanks(2).run(rank_capture, copy.deepcopy(base))
+        assert exports[0] == 1
+        second = SimulatedRanks(2).run(rank_capture, copy.deepcopy(base))
+    assert exports[0] == 1
+    assert first == second == [set(), set()]  # every graph reads its own model's parameters
+
+
+def test_a_share_keeps_its_most_recent_captures_only(exports):
+    x, base, variants = _variants()
+    share = shared_capture.CaptureShare(limit=1)
+    with shared_capture.sharing(share):
+        capture(base, (x,))
+        capture(variants["one parameter's shape"], (x,))  # evicts base's capture
+        capture(copy.deepcopy(base), (x,))
+    assert exports[0] == 3
 
 
 def _graph_tensors(gm: nn.Module, model: nn.Module) -> dict:

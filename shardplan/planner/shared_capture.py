@@ -20,6 +20,7 @@ makes the model unshareable: it is captured anew.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import enum
@@ -66,11 +67,18 @@ class _Entry:
 
 
 class CaptureShare:
-    """Captures made during one launch, by key; hands out copies bound to the asker's
-    tensors. Not thread-safe by itself: ``capture`` calls it under its planning lock."""
+    """Captures by key (the ``limit`` most recently used); hands out copies bound to the
+    asker's tensors. Not thread-safe by itself: ``capture`` calls it under its planning
+    lock.
 
-    def __init__(self):
-        self._entries: dict[tuple, _Entry] = {}
+    A share kept beyond one launch (a test session) hands a later model the capture of
+    an earlier one of the same key, so it is only as safe as the key: it describes the
+    modules, their forwards' code and attributes, not functions a forward calls from its
+    module's globals. Keep one only while such code does not change."""
+
+    def __init__(self, limit: int = 64):
+        self.limit = limit
+        self._entries: collections.OrderedDict[tuple, _Entry] = collections.OrderedDict()
 
     def lookup(self, key: tuple, tensors: list[torch.Tensor]):
         """A copy of the capture made under ``key``, reading ``tensors`` (the asking
@@ -78,6 +86,7 @@ class CaptureShare:
         entry = self._entries.get(key)
         if entry is None:
             return None
+        self._entries.move_to_end(key)
         memo = {id(theirs): mine for theirs, mine in zip(entry.tensors, tensors, strict=True)}
         return _copied(entry.captured, memo, entry.constants)
 
@@ -87,6 +96,8 @@ class CaptureShare:
         constants = _constants(captured.gm)
         memo = {id(t): t for t in tensors}
         self._entries[key] = _Entry(_copied(captured, memo, constants), list(tensors), constants)
+        if len(self._entries) > self.limit:
+            self._entries.popitem(last=False)
 
 
 def _copied(captured, memo: dict, constants: list[tuple[str, str]]):

@@ -12,6 +12,12 @@ through one pipe per worker, so every rank gets its own copy of the
 arguments (nothing is shared memory) and returned tensors are detached,
 compacted CPU copies.
 
+A worker's captures are shared within one run (``planner.shared_capture``: a
+model of the same structure, called the same way, is exported once); with
+``keep_captures`` each worker keeps them for the pool's life, so later runs
+reuse them too (safe while the code the models call does not change between
+runs, as in a test session).
+
 Failures: an exception on a rank is re-raised here with its type (when it
 pickles) and the rank's traceback appended; of several, a rank's own error
 wins over the collective failures it caused in its peers. A collective
@@ -40,6 +46,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..errors import CommunicationError, ConfigurationError
+from ..planner.shared_capture import CaptureShare, sharing
 from ..runtime.comm import TorchGroup
 from ..torch_compat import pytree
 from .base import RankContext, Ranks, check_world_size, grace, root_cause
@@ -50,9 +57,11 @@ _HOST = "127.0.0.1"
 class RealRanks(Ranks):
     """A pool of ``world_size`` gloo worker processes (see the module docstring)."""
 
-    def __init__(self, world_size: int, timeout: float = 120.0, startup_timeout: float = 180.0):
+    def __init__(self, world_size: int, timeout: float = 120.0, startup_timeout: float = 180.0,
+                 keep_captures: bool = False):
         check_world_size(world_size)
         self.world_size, self.timeout = world_size, float(timeout)
+        self.keep_captures = keep_captures
         # spawning Python and importing torch takes seconds, more on a loaded machine:
         # start-up gets its own limit, so a short collective timeout stays usable
         self.startup_timeout = max(float(startup_timeout), self.timeout)
@@ -83,7 +92,7 @@ class RealRanks(Ranks):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=_worker, name=f"shardplan-rank{rank}", daemon=True,
                             args=(rank, self.world_size, self._store.port, self.timeout,
-                                  self.startup_timeout, child))
+                                  self.startup_timeout, self.keep_captures, child))
             p.start()
             child.close()
             self._procs.append(p)
@@ -277,7 +286,8 @@ def report_slack(timeout: float) -> float:
     return max(grace(timeout), min(timeout, 10.0))
 
 
-def _worker(rank: int, n: int, port: int, timeout: float, startup: float, conn) -> None:
+def _worker(rank: int, n: int, port: int, timeout: float, startup: float, keep_captures: bool,
+            conn) -> None:
     """Body of one worker process: join the group, then serve tasks until told to stop."""
     if sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -288,6 +298,7 @@ def _worker(rank: int, n: int, port: int, timeout: float, startup: float, conn) 
         dist.init_process_group("gloo", store=store, rank=rank, world_size=n,
                                 timeout=timedelta(seconds=timeout))
         ctx = RankContext(rank, n, TorchGroup())
+        kept = CaptureShare() if keep_captures else None
         _send(conn, True, None)
     except BaseException as e:
         _send_error(conn, e)
@@ -302,7 +313,9 @@ def _worker(rank: int, n: int, port: int, timeout: float, startup: float, conn) 
             if task is None:
                 break
             fn, args = task
-            _send(conn, True, pytree.tree_map(_portable, fn(ctx, *args)))
+            with sharing(CaptureShare() if kept is None else kept):
+                result = fn(ctx, *args)
+            _send(conn, True, pytree.tree_map(_portable, result))
         except BaseException as e:
             try:
                 _send_error(conn, e)

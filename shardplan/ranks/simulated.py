@@ -9,6 +9,9 @@ share every object they are given: give each rank its own copy of a model
 The ranks of one ``run()`` share their captures: a rank capturing a model of
 the same structure, called the same way, as another rank did gets a copy of
 that capture reading its own model's tensors (``planner.shared_capture``).
+When the calling thread is ``sharing`` a share, the runs use that one instead:
+captures then carry over from run to run (see ``CaptureShare`` on when that is
+safe).
 
 ``timeout`` bounds each collective's wait for the other ranks (the error
 names the collective and the ranks that never arrived); ``run()`` gives up
@@ -22,7 +25,7 @@ import threading
 import time
 
 from ..errors import CommunicationError
-from ..planner.shared_capture import CaptureShare, sharing
+from ..planner.shared_capture import CaptureShare, active, sharing
 from ..runtime.comm import Rendezvous, ThreadGroup
 from .base import RankContext, Ranks, check_world_size, grace, root_cause
 
@@ -37,7 +40,7 @@ class SimulatedRanks(Ranks):
         rv = Rendezvous(n, timeout=self.timeout)
         results: list = [None] * n
         errors: dict[int, BaseException] = {}
-        share = CaptureShare()
+        share = active() or CaptureShare()
 
         def body(rank: int) -> None:
             try:
