@@ -147,13 +147,13 @@ def runtime_issues(plan, mods, code: ModelCode, target: str) -> list[ExportIssue
         if a.target != b.target:
             return [ExportIssue(module_of(a), "-", f"with local tensors the model's code takes another "
                                 f"path at {where} ({b.target} instead of {a.target})")]
-        full = shape(a)
-        if full is None or shape(b) is None or viewed_parameter(a):  # a weight's view: cut by the style
+        full, cut_shape = shape(a), shape(b)
+        if full is None or cut_shape is None or viewed_parameter(a):  # a weight's view: cut by the style
             continue
         full = tuple(hint(d) for d in full)
         lay = ann.layouts.get(a)
         want = local_shape(full, lay, tp) if isinstance(lay, Shard) else full
-        got = tuple(hint(d) for d in shape(b))
+        got = tuple(hint(d) for d in cut_shape)
         if got not in (want, full):
             return [ExportIssue(module_of(a), str(lay), f"the model's own code makes {list(got)} where "
                                 f"this rank's part is {list(want)}, at {where}: a size the code "

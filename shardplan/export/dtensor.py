@@ -29,8 +29,8 @@ from __future__ import annotations
 
 from torch.distributed.tensor import Replicate as DReplicate
 from torch.distributed.tensor import Shard as DShard
-from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
-                                               parallelize_module)
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
 
 from ..errors import LayoutError
 from ..planner.transitions import Purpose
@@ -60,7 +60,7 @@ def to_dtensor_plan(plan, *, model, local_output: bool = True, example_inputs=No
                           run_code=local_output)
     if getattr(plan, "sequence_parallel", False):
         return _sp_styles(plan, mods, model, local_output)
-    out = {}
+    out: dict[str, ParallelStyle] = {}
     for m in mods.values():
         if m.style == "column":
             out[m.path] = ColwiseParallel(use_local_output=local_output)
@@ -84,7 +84,7 @@ def _sp_styles(plan, mods, model, local_output: bool) -> dict:
     """
     scatters = {c.module for c in plan.collectives if c.purpose == Purpose.SEQ_SCATTER}
     gathers = any(c.purpose == Purpose.SEQ_GATHER for c in plan.collectives)
-    out = {}
+    out: dict[str, ParallelStyle] = {}
     for path in _sp_leaves(plan, model):
         if path not in mods:
             out[path] = SequenceParallel()

@@ -185,7 +185,7 @@ def analyse(plan, target: str, model=None) -> tuple[OrderedDict, list[ExportIssu
             _check_module_type(model, m, issues)
     _tied_owners(plan, mods, params_of, model, issues)
 
-    order = {}
+    order: dict[str, int] = {}
     for p in plan.params:
         for n in [p.name, *p.aliases]:
             order.setdefault(owner_of(n)[0], len(order))
@@ -251,7 +251,7 @@ def _experts_style(m: ExportModule, target: str, issues: list) -> None:
     styles = {}
     for attr, p in m.params.items():
         lay = Placement.parse(p.layout)
-        blocks_ = getattr(lay, "blocks", None) or ()
+        blocks_: tuple[int, ...] = getattr(lay, "blocks", None) or ()
         packed = len(blocks_) == 2 and blocks_[0] == blocks_[1]
         style = _EXPERT_STYLE.get((lay.dim % 3, packed)) if isinstance(lay, Shard) and lay.replicas == 1 \
             and len(p.global_shape) == 3 and not lay.padded and (packed or not blocks_) else None
