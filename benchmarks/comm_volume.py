@@ -231,7 +231,7 @@ def main(argv=None) -> int:
         "- `DTensor, hand-written, model unchanged`: the same styles with q/k/v (or the fused "
         "c_attn) left as DTensors with global shapes through the attention code, which decides "
         "the communication (SDPA's math kernel, implicit replication).",
-        "- `DTensor, exported`: shardplan's plan through `shardplan.report.export.parallelize_with_dtensor` "
+        "- `DTensor, exported`: shardplan's plan through `shardplan.export.parallelize_with_dtensor` "
         "(no PrepareModuleInput, loss on gathered logits).", "",
         text, ""]
         + ([f"Problems: {'; '.join(problems)}", ""] if problems else [])

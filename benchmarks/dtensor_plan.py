@@ -202,7 +202,7 @@ def exported(model, mesh, example_inputs):
     """shardplan's plan exported to DTensor styles, the model unchanged (global-shape
     DTensor activations); run it under ``exported_context()``."""
     import shardplan
-    from shardplan.report.export import parallelize_with_dtensor
+    from shardplan.export import parallelize_with_dtensor
 
     plan = shardplan.plan(model, mesh.size(), example_inputs=example_inputs)
     return parallelize_with_dtensor(model, mesh, plan, local_output=False)

@@ -52,7 +52,7 @@ def prepare(model, plan, inputs: dict, folder: Path, class_name: str,
     Returns ``{target: "refused: ..." | "crash: ..." | "exported"}``.
     """
     from shardplan.errors import LayoutError
-    from shardplan.report.export import ModelCode, to_dtensor_plan, to_hf_tp_plan
+    from shardplan.export import ModelCode, to_dtensor_plan, to_hf_tp_plan
 
     outcome, exported = {}, {}
     code = ModelCode(model, inputs)  # the model's code captured once for both targets
@@ -117,7 +117,7 @@ def rank_step(ctx, folder: str, target: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from shardplan.report.export import tie_again
+    from shardplan.export import tie_again
 
     warnings.filterwarnings("ignore")
     saved = torch.load(Path(folder) / "export.pt", weights_only=False)

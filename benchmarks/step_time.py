@@ -20,7 +20,7 @@ bundled GPT (same weights, same batch, an AdamW each):
 - ``DTensor, model unchanged``: the same styles, q/k/v left as DTensors with
   global shapes through the unchanged attention code;
 - ``DTensor, exported``: shardplan's plan exported with
-  ``shardplan.report.export.parallelize_with_dtensor`` (the model unchanged, DTensor
+  ``shardplan.export.parallelize_with_dtensor`` (the model unchanged, DTensor
   activations with global shapes, the loss on gathered logits).
 
 A step is forward, backward, ``optimizer.step()`` and ``zero_grad()``. Each
@@ -291,7 +291,7 @@ def main(argv=None) -> int:
         "q/k/v share one input, `loss_parallel`; the attention reads this rank's head count);",
         "- `DTensor, model unchanged`: the same styles with q/k/v left as DTensors of global "
         "shape through the unchanged attention code (SDPA's math kernel, implicit replication);",
-        "- `DTensor, exported`: shardplan's plan through `shardplan.report.export.parallelize_with_dtensor` "
+        "- `DTensor, exported`: shardplan's plan through `shardplan.export.parallelize_with_dtensor` "
         "(model unchanged, DTensor activations through attention, loss on gathered logits);",
         "- `unsharded`: the plain model in the parent process, 1 and 2 threads.", "",
         f"{warmup} warm-up rounds, then {steps} timed rounds. A round is one step (forward, "

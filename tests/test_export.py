@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import shardplan
-from shardplan.report.export import export_issues, parallelize_with_dtensor, to_dtensor_plan, to_hf_tp_plan
+from shardplan.export import export_issues, parallelize_with_dtensor, to_dtensor_plan, to_hf_tp_plan
 from shardplan.models import build
 
 VOCAB = 97  # not divisible by 2: shardplan pads, DTensor shards unevenly
@@ -184,7 +184,7 @@ def test_hf_plan_for_llama_matches_transformers_own():
     tf = pytest.importorskip("transformers", reason="the [hf] extra is not installed")
     from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
 
-    from shardplan.report.export import ModelCode
+    from shardplan.export import ModelCode
 
     cfg = tf.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
                          num_key_value_heads=2, intermediate_size=96, vocab_size=128,
@@ -231,7 +231,7 @@ def test_both_exports_read_the_plans_capture_and_one_cut_capture():
     """One ``ModelCode`` serves both exports: the capture as it is is the plan's own, one
     cut capture serves both targets, and the HF export is the one made without sharing."""
     from shardplan.planner.capture import planned_capture
-    from shardplan.report.export import ModelCode
+    from shardplan.export import ModelCode
 
     model = _hf("llama", "meta")
     plan = shardplan.plan(model, 2)

@@ -16,6 +16,7 @@ from shardplan.layouts import MeshDim, MeshSizes
 from shardplan.planner.annotate import annotate
 from shardplan.planner.capture import capture
 from shardplan.planner.plan import build_plan
+from shardplan.planner.purposes import PURPOSES
 from shardplan.planner.rewrite import rewrite
 from shardplan.planner.rules import load_rules
 from shardplan.planner.transitions import Purpose
@@ -27,6 +28,7 @@ from checks import (assert_equivalent, assert_grads, assert_megatron_layouts,
                     assert_megatron_ledger, megatron_count)
 from planner_cases import (batch, make_model, real_rank_count_step, reference,
                            sharded_step)
+from planner_models import TinyLM
 
 ATOL = 2e-5
 
@@ -348,6 +350,35 @@ def test_each_collective_runs_over_the_group_of_its_transitions_mesh_dim():
     plan = build_plan(model, captured, ann, rules, args, {})
     assert {c.mesh_dim for c in plan.collectives if c.purpose == "g"} == {MeshDim.DP_SHARD}
     assert {c.mesh_dim for c in plan.collectives if c.purpose != "g"} == {MeshDim.TP}
+
+
+@pytest.mark.parametrize("name,sp", [("gpt-tiny", True), ("softmax-mlp", False)])
+def test_the_rewriter_inserts_each_purposes_module_from_the_table(name, sp):
+    """Every purpose has a row, and each module the rewriter inserts under a row's name is
+    the class that row gives for one of the annotation's transitions (gpt-tiny with sequence
+    parallelism: the sequence scatters, the linears' re-gather, the bucket, the loss, the
+    logits' gather, a split; a softmax over the split hidden dim: f, g, the distributed max
+    and sum)."""
+    assert set(PURPOSES) == set(Purpose)
+    model = build("gpt-tiny") if name == "gpt-tiny" else TinyLM(mlp_op="softmax")
+    idx = torch.zeros(2, 8, dtype=torch.long)
+    captured = capture(model, (idx, idx) if name == "gpt-tiny" else (idx,))
+    ann = annotate(captured.gm, MeshSizes.of(tp=2), load_rules("megatron"), sequence_parallel=sp)
+    gm = rewrite(ann, {MeshDim.TP: _Ranks(2)})
+    table: dict = {}  # name -> the classes the table gives this annotation's transitions
+    for t in ann.transitions:
+        kind, module = PURPOSES[t.purpose].realised_by(t.forward)
+        table.setdefault(kind, set()).add(module)
+    names = {row.name for row in PURPOSES.values()} | {f"{row.name}_max" for row in PURPOSES.values()}
+    inserted: dict = {}  # name -> the classes inserted under it
+    for n, m in gm.named_children():
+        kind = n[3:].rpartition("_")[0]
+        if n.startswith("tp_") and kind in names:
+            inserted.setdefault(kind, set()).add(type(m))
+    assert all(modules <= table.get(kind, set()) for kind, modules in inserted.items()), inserted
+    want = ({"seq_scatter", "seq_linear", "seq_grad_bucket", "vocab_loss", "gather", "shard"} if sp else
+            {"f", "g", "stat", "stat_max"})
+    assert want <= set(inserted), sorted(inserted)
 
 
 def test_rewrite_refuses_a_missing_or_wrong_sized_group():

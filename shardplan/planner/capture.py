@@ -360,5 +360,5 @@ def remember_capture(p, model: nn.Module, args: tuple, kwargs: dict, captured: C
 def planned_capture(p) -> tuple | None:
     """``(model ref, args, kwargs, Captured)`` that plan ``p`` was planned from, while ``p``
     lives (``None`` for a copy or a loaded plan): the exports' check of the model's own code
-    reads it instead of capturing again (``report.export.ModelCode``)."""
+    reads it instead of capturing again (``export.ModelCode``)."""
     return _PLANNED.get(id(p))

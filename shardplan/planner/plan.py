@@ -162,6 +162,7 @@ class Plan(BaseModel):
                 return p
         raise KeyError(name)
 
+    # presenters and exports imported when called: they sit above the plan they read
     def report(self, width: int = 100) -> str:
         from ..report.text import render_text
         return render_text(self, width)
@@ -179,12 +180,12 @@ class Plan(BaseModel):
     def to_dtensor_plan(self, **kw) -> dict:
         """``{module FQN: ParallelStyle}`` for
         ``torch.distributed.tensor.parallel.parallelize_module``."""
-        from ..report.export import to_dtensor_plan
+        from ..export import to_dtensor_plan
         return to_dtensor_plan(self, **kw)
 
     def to_hf_tp_plan(self, **kw) -> dict[str, str]:
         """The Hugging Face ``base_model_tp_plan`` strings for this plan."""
-        from ..report.export import to_hf_tp_plan
+        from ..export import to_hf_tp_plan
         return to_hf_tp_plan(self, **kw)
 
     def to_json(self, **kw) -> str:

@@ -28,17 +28,14 @@ from .annotate import Annotation
 from .capture import module_of
 from .graph import args_of, op_name, operand, operands, replace_operand, set_arg, tensor_shape
 from .kinds import KINDS, Role
+from .purposes import PURPOSES
 from .rules import VocabEmbedding, VocabLoss
 from .token_order import keep_gathered_order
-from .transitions import Collective, Purpose, Transition
+from .transitions import Purpose, Transition
 from ..errors import ConfigurationError
 from ..layouts import MeshDim, Shard
 from ..runtime.comm import Group
-from ..runtime.graph_ops import (CopyToRegion, GatherSequence, GatherShard,
-                                LinearsOnGatheredSequence, LocalShard, MaxOverRanks,
-                                ModelParallelRNG, ReduceFromRegion, ScatterToSequence,
-                                SumGradients,
-                                SumOverReplicas, VocabCrossEntropy, VocabLookup)
+from ..runtime.graph_ops import GatherShard, ModelParallelRNG, VocabLookup
 from ..torch_compat import OpOverload
 
 aten = torch.ops.aten
@@ -131,6 +128,12 @@ class _Rewriter:
         self.gm.add_submodule(name, mod)
         return name
 
+    def _realise(self, t: Transition, *args, **kwargs) -> str:
+        """Adds the module that realises ``t`` (``purposes.PURPOSES``), made from ``args``
+        and ``kwargs``: its name."""
+        kind, module = PURPOSES[t.purpose].realised_by(t.forward)
+        return self._module(kind, module(*args, **kwargs))
+
     @staticmethod
     def _site(node: fx.Node) -> str:
         mod = module_of(node)
@@ -196,23 +199,20 @@ class _Rewriter:
         group = self._group_of(t)
         if t.purpose is Purpose.SPLIT:
             with self.graph.inserting_before(consumer):
-                shard = LocalShard(cast(Shard, t.after), group.rank, group.size)
-                return self.graph.call_module(self._module("shard", shard), (value,))
+                shard = self._realise(t, cast(Shard, t.after), group.rank, group.size)
+                return self.graph.call_module(shard, (value,))
         key = (t.src, t.purpose)
         if key not in self.shared:
+            site = self._site(t.src)
             if t.purpose in (Purpose.F, Purpose.SEQ_GRAD):
-                mod = self._module("f" if t.purpose is Purpose.F else "seq_grad",
-                                   CopyToRegion(group, self._site(t.src)))
+                mod = self._realise(t, group, site)
             elif t.purpose is Purpose.SEQ_GATHER:
-                mod = self._module("seq_gather", GatherSequence(
-                    group, cast(Shard, t.before).dim, self._site(t.src)))
+                mod = self._realise(t, group, cast(Shard, t.before).dim, site)
             elif t.purpose in (Purpose.SEQ_UNSHARD, Purpose.GATHER):
                 before = cast(Shard, t.before)
-                mod = self._module(t.purpose.value, GatherShard(
-                    group, before, t.messages[0][before.dim], self._site(t.src)))
+                mod = self._realise(t, group, before, t.messages[0][before.dim], site)
             else:  # REPLICA_GRAD
-                mod = self._module("replica_sum", SumOverReplicas(
-                    group, cast(Shard, t.after), self._site(t.src)))
+                mod = self._realise(t, group, cast(Shard, t.after), site)
             at = self.graph.inserting_before(consumer) if _written_in_place(value) \
                 else self.graph.inserting_after(value)
             with at:
@@ -228,8 +228,7 @@ class _Rewriter:
             for v in values:  # a parameter read first after the consumer: read it before
                 if v.op == "get_attr" and consumer < v:
                     consumer.prepend(v)
-            mod = self._module("seq_grad_bucket",
-                               SumGradients(self._group_of(t), self._site(t.src)))
+            mod = self._realise(t, self._group_of(t), self._site(t.src))
             with self.graph.inserting_before(consumer):
                 node = self.graph.call_module(mod, tuple(values))
                 outs = [self.graph.call_function(operator.getitem, (node, i))
@@ -246,13 +245,9 @@ class _Rewriter:
         bias = self.bias.get(orig, bias)
         group = self._group_of(t)
         if t.purpose is Purpose.SEQ_SCATTER:
-            mod = self._module("seq_scatter",
-                               ScatterToSequence(group, cast(Shard, t.after).dim, self._site(node)))
-        elif t.forward is Collective.ALL_REDUCE_MAX:
-            mod = self._module("stat_max", MaxOverRanks(group, self._site(node)))
-        else:
-            mod = self._module("g" if t.purpose is Purpose.G else t.purpose.value,
-                               ReduceFromRegion(group, self._site(node)))
+            mod = self._realise(t, group, cast(Shard, t.after).dim, self._site(node))
+        else:  # G, STAT (a max's: MaxOverRanks)
+            mod = self._realise(t, group, self._site(node))
         with self.graph.inserting_after(node):
             g = self.graph.call_module(mod, (node,))
         last = g
@@ -292,8 +287,7 @@ class _Rewriter:
         for v in weights:  # a later linear's parameters, read before the first
             if v is not None and v.op == "get_attr" and node < v:
                 node.prepend(v)
-        mod = self._module("seq_linear", LinearsOnGatheredSequence(
-            self._group_of(t), cast(Shard, t.before).dim, self._site(t.src)))
+        mod = self._realise(t, self._group_of(t), cast(Shard, t.before).dim, self._site(t.src))
         with self.graph.inserting_before(node):
             fused = self.graph.call_module(mod, (args_of(node)["input"], shard, *weights))
             outs = [self.graph.call_function(operator.getitem, (fused, i))
@@ -318,9 +312,9 @@ class _Rewriter:
             value = self._value(t.src)
             with self.graph.inserting_before(out):
                 before = cast(Shard, t.before)
-                gathered = self.graph.call_module(self._module("gather", GatherShard(
-                    self._group_of(t), before, t.messages[0][before.dim],
-                    self._site(t.src))), (value,))
+                gathered = self.graph.call_module(self._realise(
+                    t, self._group_of(t), before, t.messages[0][before.dim], self._site(t.src)),
+                    (value,))
             out.replace_input_with(value, gathered)
 
     # ----------------------------------------------------------------- ops replaced by role
@@ -362,13 +356,13 @@ class _Rewriter:
         names = [a.name for a in cast(OpOverload, node.target)._schema.arguments]
         args = args_of(node)
         arg = lambda i: args[names[i]]  # noqa: E731
-        loss = VocabCrossEntropy(
-            self._group_of(self.losses[orig]), vocab_size=tensor_shape(arg(spec.logits))[1],
+        t = self.losses[orig]
+        loss = self._realise(
+            t, self._group_of(t), vocab_size=tensor_shape(arg(spec.logits))[1],
             reduction=arg(spec.reduction), ignore_index=arg(spec.ignore_index),
             label_smoothing=arg(spec.label_smoothing) or 0.0, site=self._site(node))
         with self.graph.inserting_before(node):
-            new = self.graph.call_module(self._module("vocab_loss", loss),
-                                         (arg(spec.logits), arg(spec.target)))
+            new = self.graph.call_module(loss, (arg(spec.logits), arg(spec.target)))
         self.env[orig] = self._replace(node, new)
         return new
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 from ..layouts import Partial, Placement, Replicate, Shard
 from ..planner import blocks
+from ..planner.purposes import PURPOSES
 from .text import human
 
 __all__ = ["render_html", "CATEGORIES"]
@@ -284,30 +285,6 @@ def _glyph(p, cat: str, tp: int) -> str:
     return "".join(out)
 
 
-_PURPOSE = {
-    "f": ("f", "region entry: identity forward, all-reduce of the gradient backward"),
-    "g": ("g", "region exit: all-reduce of the partial sums forward, identity backward"),
-    "gather_output": ("gather", "all-gather of the split output (the full logits)"),
-    "vocab_loss": ("loss", "vocab-parallel cross-entropy: max, sum-exp and target logit"),
-    "replica_grad": ("grad", "sum of gradients over ranks holding the same part"),
-    "seq_scatter": ("g·seq", "region exit, sequence parallel: reduce-scatter of the partial sums "
-                             "onto the ranks' tokens forward, all-gather backward"),
-    "seq_gather": ("f·seq", "region entry, sequence parallel: all-gather of the ranks' tokens "
-                            "forward, reduce-scatter of the gradient backward"),
-    "seq_unshard": ("gather·seq", "all-gather of the ranks' tokens for an op that needs the whole "
-                                  "sequence (fallback)"),
-    "seq_grad": ("grad·seq", "sum over ranks of the gradient of a replicated tensor read per token"),
-    "seq_grad_bucket": ("grad·seq·bucket", "one flat all-reduce summing the per-token "
-                                           "parameters' gradients (norms, row biases) of a "
-                                           "step, or of a block under recompute or FSDP"),
-    "stat": ("stat", "distributed reduction: each rank reduces its part of a split dim, the small "
-                     "result is all-reduced forward"),
-    "gather": ("gather·op", "all-gather of a split activation for an op with no distributed form "
-                            "(a chosen move): upstream stays sharded, the op runs replicated; "
-                            "backward keeps this rank's slice"),
-}
-
-
 class _Page:
     def __init__(self, plan):
         self.plan = plan
@@ -375,10 +352,10 @@ class _Page:
         rows = []
         for key in sorted(groups):
             direction, kind, purpose, per_tok = key
-            short = _PURPOSE.get(purpose, (purpose, purpose))
+            row = PURPOSES[purpose]
             rows.append(
-                f'<tr class="comm-row" data-purpose="{_e(purpose)}" title="{_e(short[1])}">'
-                f'<td><span class="cpill {_e(purpose)}">{_e(short[0])}</span></td>'
+                f'<tr class="comm-row" data-purpose="{_e(purpose)}" title="{_e(row.text)}">'
+                f'<td><span class="cpill {_e(purpose)}">{_e(row.label)}</span></td>'
                 f'<td>{_e(direction)}</td><td>{groups[key]} × {_e(kind)}</td>'
                 f'<td class="num">{per_tok:,.1f}</td><td class="num">{_e(human(nbytes[key]))}</td></tr>')
         total = sum(c.bytes for c in self.plan.collectives)
@@ -538,13 +515,12 @@ class _Page:
         mult = self._count_above(n)
         out = []
         for (purpose, kind, direction), cs in groups.items():
-            short, why = _PURPOSE.get(purpose, (purpose, purpose))
+            row = PURPOSES[purpose]
+            short, why = row.label, row.text
             b = sum(c.bytes for c in cs)
             times = f"{len(cs)} × " if len(cs) > 1 else ""
             total = (f'<span class="muted"> · ×{mult} blocks = {_e(human(b * mult))}</span>'
                      if mult > 1 else "")
-            place = {"f": "before the region", "g": "after the region", "seq_gather": "before the region",
-                     "seq_scatter": "after the region"}.get(purpose, "")
             tip = f"{purpose}: {why}\n{times}{kind} {direction}, {human(b)}" + (
                 f"\nsource: {cs[0].source}" if cs[0].source else "")
             did = self._detail_id({"title": f"{short} at {self._display_path(n) or '(model)'}", "category": "comm",
@@ -556,7 +532,7 @@ class _Page:
                 f'data-direction="{_e(direction)}" data-bytes="{b}" data-detail="{did}" tabindex="0" '
                 f'title="{_e(tip)}"><span class="line"></span><span class="cpill {_e(purpose)}">{_e(short)}'
                 f'</span><span class="ctext">{times}{_e(kind)} · {_e(direction)} · <b>{_e(human(b))}</b>'
-                f'{total}</span><span class="place muted">{_e(place)}</span><span class="line"></span></div>')
+                f'{total}</span><span class="place muted">{_e(row.place)}</span><span class="line"></span></div>')
         return "".join(out)
 
     def _multiplicities(self, root: _Node) -> None:

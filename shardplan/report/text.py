@@ -7,6 +7,7 @@ import re
 from collections import Counter
 
 from ..planner import blocks
+from ..planner.purposes import PURPOSES
 
 
 def human(n: float) -> str:
@@ -98,7 +99,7 @@ def _sequence(plan, width: int) -> list[str]:
     """The ops run on this rank's tokens, and the reduce-scatters / all-gathers around them."""
     seq = [d for d in plan.decisions if d.sequence]
     sites = Counter((c.module, c.purpose, c.kind, c.direction) for c in plan.collectives
-                    if c.purpose in ("seq_scatter", "seq_gather", "seq_unshard"))
+                    if PURPOSES[c.purpose].tokens)
     nbytes = Counter()
     for c in plan.collectives:
         nbytes[(c.module, c.purpose, c.kind, c.direction)] += c.bytes
