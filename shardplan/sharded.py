@@ -15,6 +15,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from . import arguments
+from .compile import GraphCompiler
 from .planner.capture import PLANNING_LOCK, Captured, capture
 from .planner.annotate import Annotation, annotate
 from .planner.input_shapes import InputShapes
@@ -27,12 +28,6 @@ from .errors import CaptureError, CheckpointError, ConfigurationError
 from .planner.rewrite import bind, gather_params, rewrite
 from .planner.rules import RuleSet
 from .runtime.comm import Group
-from .runtime.graph_ops import ModelParallelRNG
-from .runtime.onednn import OneDnnGemms
-from .runtime.overlap import OverlapCollectives
-from .runtime.passes import PostGradPasses
-from .runtime.random import tracker_for
-from .runtime.region_random import DRAWS
 from .torch_compat import FakeTensor, pytree, set_child
 from .planner.shards import local_tensors
 
@@ -49,7 +44,9 @@ class ShardedModule(nn.Module):
                  keep: dict | None = None):
         super().__init__()
         self.training = source.training  # the mode the first graph is captured in
-        self._compile = compile  # False, or torch.compile's backend (True: inductor)
+        #: compiles each graph as it is made (``compile``: False, or torch.compile's
+        #: backend, True for inductor)
+        self._compiler = GraphCompiler(compile) if compile else None
         self._source = [source]  # a list hides it from nn.Module's registry
         self._group, self._rules = group, rules
         self._gather, self._strict = gather_output, strict
@@ -58,9 +55,6 @@ class ShardedModule(nn.Module):
         self._graphs: dict[tuple, list[tuple[InputShapes | None, fx.GraphModule]]] = {}
         self._refits: set = set()  # call keys already warned about a specialised capture
         self._decoders: dict = {}  # (batch, max_len) -> the parallelized decode step
-        #: what ``compile_graph`` compiled for each way of calling (call key -> modules)
-        self.compiled_units: dict = {}
-        self._draws = False  # a compiled graph draws from the model-parallel stream
         #: FQNs of the blocks whose activations are recomputed in backward
         self.recomputed = block_names(source, recompute) if recompute else []
         #: FQNs of the blocks FSDP2 shards over the data-parallel ranks (``parallel.fsdp``)
@@ -126,6 +120,12 @@ class ShardedModule(nn.Module):
     def code(self) -> str:
         return self.graph_module.code
 
+    @property
+    def compiled_units(self) -> dict:
+        """What ``compile.compile_graph`` compiled for each way of calling (call key ->
+        modules); empty without ``compile``."""
+        return self._compiler.units if self._compiler is not None else {}
+
     def forward(self, *args, **kwargs):
         self._check_materialized(args, kwargs)
         key = _key(args, kwargs, self.training)
@@ -159,8 +159,8 @@ class ShardedModule(nn.Module):
         """Run ``gm``; a guard export left that the call fails is ``_GuardFailed``, and a
         fake tensor among the outputs a ``CaptureError``."""
         self._last[0] = gm
-        if self._draws:  # a compiled graph reads the tracker's state but cannot install one
-            tracker_for(self._group.rank)
+        if self._compiler is not None:
+            self._compiler.before_call(self._group.rank)
         try:
             out = gm(*args, **kwargs)
         except AssertionError as e:
@@ -370,10 +370,8 @@ class ShardedModule(nn.Module):
         else:  # read the module tree FSDP2 manages
             gm = route_through_owners(gm)
             adopt_tree(gm, self)
-        if self._compile:
-            self.compiled_units[_key(args, kwargs, self.training)] = compile_graph(
-                gm, "inductor" if self._compile is True else self._compile)
-            self._draws |= any(isinstance(m, ModelParallelRNG) for m in gm.modules())
+        if self._compiler is not None:
+            self._compiler.compile(_key(args, kwargs, self.training), gm)
         return gm
 
     def _wrap(self, piece: fx.GraphModule, block: str) -> nn.Module:
@@ -393,42 +391,6 @@ def parallel_step(step: nn.Module, group: Group, rules: RuleSet, *, strict: bool
     sharded._graphs[_key(step.example(1), {}, step.training)] = [(None, sharded.graph_module)]
     step.release_caches()  # this rank's shards (or, replicated, the same objects) stay
     return sharded
-
-
-def compile_graph(gm: fx.GraphModule, backend: str) -> list[nn.Module]:
-    """``torch.compile`` ``gm`` in place, each unit as one graph (``fullgraph``), and
-    return the units: every block's piece when the graph is cut into blocks
-    (recomputation or FSDP2: torchtitan's per-block compile, the glue between blocks
-    and FSDP2's hooks stay eager), else the whole graph. Batch and sequence become
-    dynamic on the first call with other sizes (one recompile). Dropout draws the
-    masks eager draws: the model-parallel stream through ``region_random``, the
-    replicated one through torch's generator (inductor's ``fallback_random``). Under
-    inductor the forward and input-gradient GEMMs run on oneDNN (``runtime.onednn``)
-    and each collective overlaps the compute that does not need it
-    (``runtime.overlap``)."""
-    fork = [name for name, m in gm.named_modules()
-            if isinstance(m, ModelParallelRNG) and not m.traceable]
-    if fork:
-        raise ConfigurationError(
-            f"compile: {fork[0]} runs {gm.get_submodule(fork[0]).op} on the model-parallel RNG "
-            f"stream by swapping generators, which torch.compile cannot trace (only "
-            f"{', '.join(DRAWS)} have a traceable form)",
-            fix="remove that op from the rule file's random table, call eval(), or pass "
-                "compile=False")
-    units = [m.block for m in gm.modules() if isinstance(m, Recomputed)]
-    units += [m.piece for m in gm.modules()
-              if isinstance(m, OwnedPiece) and not isinstance(m.piece, Recomputed)]
-    # inductor draws replicated-stream dropout from its own generator unless told to call
-    # torch's: with the fallback a compiled model draws the masks an eager one draws;
-    # forward and input-gradient GEMMs run on oneDNN (runtime/onednn.py); each
-    # collective overlaps the compute that does not need it (runtime/overlap.py), in
-    # the order that pass leaves (inductor's peak-memory reordering would undo it)
-    passes = PostGradPasses(OneDnnGemms(), OverlapCollectives())
-    options = ({"fallback_random": True, "post_grad_custom_post_pass": passes,
-                "reorder_for_peak_memory": False} if backend == "inductor" else None)
-    for unit in units or [gm]:
-        unit.compile(fullgraph=True, backend=backend, options=options)
-    return units or [gm]
 
 
 class _GuardFailed(Exception):
