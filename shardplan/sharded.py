@@ -8,14 +8,16 @@ graph; every graph binds the same parameter shards.
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from . import arguments
 from .compile import GraphCompiler
+from .generate import generate_sharded
+from .kvcache import DecodeSteps
 from .planner.capture import PLANNING_LOCK, Captured, capture
 from .planner.annotate import Annotation, annotate
 from .planner.input_shapes import InputShapes
@@ -24,7 +26,7 @@ from .layouts import MeshDim, MeshSizes, Replicate, Shard, set_spec, spec_of
 from .planner.plan import build_plan
 from .parallel.fsdp import OwnedPiece, adopt_tree, apply_fsdp, install_owners, route_through_owners
 from .planner.recompute import Recomputed, block_names, outline_blocks
-from .errors import CaptureError, CheckpointError, ConfigurationError
+from .errors import CaptureError, CheckpointError
 from .planner.rewrite import bind, gather_params, rewrite
 from .planner.rules import RuleSet
 from .runtime.comm import Group
@@ -54,7 +56,9 @@ class ShardedModule(nn.Module):
         #: call key -> [(the input shapes it serves or None for any, rewritten graph)]
         self._graphs: dict[tuple, list[tuple[InputShapes | None, fx.GraphModule]]] = {}
         self._refits: set = set()  # call keys already warned about a specialised capture
-        self._decoders: dict = {}  # (batch, max_len) -> the parallelized decode step
+        #: the parallelized decode steps (``decode_step``), made on first use
+        self._decode_steps = DecodeSteps(functools.partial(parallel_step, group=group,
+                                                           rules=rules, strict=strict))
         #: FQNs of the blocks whose activations are recomputed in backward
         self.recomputed = block_names(source, recompute) if recompute else []
         #: FQNs of the blocks FSDP2 shards over the data-parallel ranks (``parallel.fsdp``)
@@ -87,6 +91,16 @@ class ShardedModule(nn.Module):
     @property
     def group(self) -> Group:
         return self._group
+
+    @property
+    def gather_output(self) -> bool:
+        """Whether each graph all-gathers its split outputs (``parallelize``'s argument)."""
+        return self._gather
+
+    @property
+    def device(self) -> torch.device:
+        """Where this rank's parameters are (CPU for a module with none)."""
+        return _device_of(self)
 
     @property
     def source(self) -> nn.Module:
@@ -176,103 +190,28 @@ class ShardedModule(nn.Module):
 
     def generate(self, input_ids: torch.Tensor, *, kv_cache: bool = True,
                  **kwargs) -> torch.Tensor:
-        """Greedy or sampled generation, the same tokens on every rank (collective);
-        see ``shardplan.generate.generate`` for the arguments.
-
-        With ``kv_cache`` (the default) the model runs as its decode step
-        (``decode_step``): the prompt once, then one token per step, each rank
-        holding its heads of the K/V cache. A model with no decode step
-        recomputes the whole prefix for every token, with a warning saying why. The
-        arguments are checked (``generate.check_arguments``) before a step is built.
-        """
-        from .generate import check_arguments, generate
-        check_arguments(self._source[0], input_ids, **kwargs)  # before a decode step is built
-        arguments.flag("kv_cache", kv_cache, where="generate")
-        step = self._decoder_for(input_ids, kwargs["max_new_tokens"]) if kv_cache else None
-        gather = None if self._gather or step is not None else self._vocab_gather()
-        return generate(self, input_ids, group=self._group, source=self._source[0],
-                        gather=gather, step=step, **kwargs)
+        """Greedy or sampled generation, the same tokens on every rank (collective): the
+        prompt once, then one token per step on this model's decode step (its K/V cache
+        split by heads) unless ``kv_cache=False``. See ``generate.generate_sharded``; the
+        sampling arguments are ``generate.generate``'s."""
+        return generate_sharded(self, input_ids, kv_cache=kv_cache, **kwargs)
 
     def decode_step(self, batch: int, max_len: int,
-                    captured: Captured | None = None) -> "ShardedModule":
+                    captured: Captured | None = None) -> ShardedModule:
         """The parallelized decode step (``kvcache.decode_step``) of this model for ``batch``
         sequences of up to ``max_len`` tokens: its K/V caches split by heads, its
         parameters this module's own shards (not copies). Made once per (batch,
         max_len); raises ``UnsupportedDecode`` where the model has none. The step's plan
         keeps replicated what this module's plan does; ``captured``: the step's capture,
-        if made already (``capture(step, step.example(2))``)."""
-        from .kvcache import decode_step
-        key = (batch, max_len)
-        if key not in self._decoders:
-            keep = {"model." + fqn: lay for fqn, lay in self.layouts.items()}
-            with PLANNING_LOCK:
-                step = decode_step(self._source[0], batch, max_len)
-            sharded = parallel_step(step, self._group, self._rules, strict=self._strict,
-                                    captured=captured, keep=keep)
-            sharded._adopt(self, prefix="model.")
-            self._decoders[key] = sharded
-        return self._decoders[key]
-
-    def _decoder_for(self, input_ids: torch.Tensor, max_new_tokens: int):
-        """The decode step that fits this generation, or None (warned) where there is none."""
-        from .errors import ShardplanError
-        from .kvcache import cache_length
-        batch, prompt = input_ids.shape
-        if max_new_tokens < 1:
-            return None  # the prompt is the result
-        try:
-            length = cache_length(self._source[0], prompt + max_new_tokens - 1)
-            return self.decode_step(batch, length)
-        except ShardplanError as e:  # no step, or one that cannot be captured or planned
-            warnings.warn(f"generate: no K/V cache, the prefix is recomputed for every token: "
-                          f"{e.what}", stacklevel=3)
-            return None
-
-    def _adopt(self, owner: "ShardedModule", prefix: str) -> None:
-        """Read ``owner``'s tensors (this module's FQN = ``prefix`` + theirs) in place of this
-        module's copies of them; caches still on ``meta`` become zeros on ``owner``'s device."""
-        from .errors import UnsupportedDecode
-        device = _device_of(owner)
-        for fqn, mine in list(self._tensors.items()):
-            theirs = owner._tensors.get(fqn.removeprefix(prefix)) if fqn.startswith(prefix) \
-                else None
-            if theirs is None:
-                if mine.is_meta:
-                    new = set_spec(torch.zeros(mine.shape, dtype=mine.dtype, device=device),
-                                   spec_of(mine))
-                    self._tensors[fqn] = new
-                continue
-            if spec_of(theirs) != spec_of(mine) or theirs.shape != mine.shape:
-                raise UnsupportedDecode(
-                    f"the decode step splits {fqn.removeprefix(prefix)} as "
-                    f"{spec_of(mine).layout} but the model as {spec_of(theirs).layout}")
-            self._tensors[fqn] = theirs
-        self._rebind()
-
-    def _vocab_gather(self):
-        """With gather_output=False: the function that turns this rank's part of the last
-        position's logits (batch, vocab part) into the full, unpadded (batch, vocab)."""
-        out = next(n for n in self.annotation.gm.graph.nodes if n.op == "output")
-        logits = pytree.tree_leaves(out.args[0])[0]
-        lay, full = self.annotation.layouts.get(logits), logits.meta["val"].shape
-        if not isinstance(lay, Shard):
-            return None
-        if lay.dim % len(full) != len(full) - 1:
-            raise ConfigurationError(f"the logits are split along dim {lay.dim}, not the vocabulary",
-                                     fix="parallelize with gather_output=True to generate")
-
-        def gather(part: torch.Tensor) -> torch.Tensor:
-            parts = self._group.all_gather(part.unsqueeze(0), 0, site="generate.logits").unbind(0)
-            return Shard(part.dim() - 1, lay.blocks, lay.padded, lay.replicas).unshard(
-                list(parts), int(full[-1]))
-        return gather
+        if made already (``capture(step, step.example(2))``). See ``kvcache.DecodeSteps``."""
+        return self._decode_steps.get(self, batch, max_len, captured)
 
     def shard_data_parallel(self, dp_mesh, options: dict) -> None:
         """FSDP2 over ``dp_mesh`` per block, then the root (``parallel.fsdp.apply_fsdp``);
         from then on this rank's parameters are its ``DTensor`` shards of its TP shards."""
         apply_fsdp(self, self.fsdp_blocks, dp_mesh, options)
         self._tensors.update(self.named_parameters(remove_duplicate=False))
-        self._decoders.clear()
+        self._decode_steps.clear()
 
     def load_local_(self, tensors: dict[str, torch.Tensor]) -> None:
         """Set this rank's tensors by FQN (every alias of a tied one): copied in place
@@ -294,7 +233,14 @@ class ShardedModule(nn.Module):
                 with torch.no_grad():
                     current.copy_(value)
         self._rebind()
-        self._decoders.clear()  # they read the tensors replaced above
+        self._decode_steps.clear()  # they read the tensors replaced above
+
+    def share_tensors_(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Read ``tensors`` (FQN -> a tensor of the spec and shape of this module's, every
+        alias of a tied one named) in place of this module's own: the same objects, not
+        copies (a decode step reads its model's shards, ``kvcache.DecodeSteps``)."""
+        self._tensors.update(tensors)
+        self._rebind()
 
     def _rebind(self) -> None:
         """Every graph (and this module's parameter list) reads ``_tensors`` again."""
