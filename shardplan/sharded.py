@@ -3,7 +3,9 @@
 Users call one model several ways (with and without targets, train and eval,
 batch 1 for inference). A capture bakes in its signature and mode, so the
 sharded module captures each new way on first use and caches the rewritten
-graph; every graph binds the same parameter shards.
+graph; every graph binds the same parameter shards. Compiling the graphs
+(``compile``) and generating (``generate``, ``kvcache``) live in their own
+modules, which this one calls.
 """
 
 from __future__ import annotations
