@@ -7,10 +7,10 @@
     out = generate(model, ids, max_new_tokens=20, step=decode_step(model, 1, 32))  # cached
 
 With a decode step (``step=``, see ``shardplan.kvcache``; the sharded
-module's ``generate`` passes its parallelized one) the prompt runs once and
-every later call feeds only the newest token, its keys and values kept in the
-step's cache. Without one, each step recomputes the whole prefix: one
-forward of the model on batch x (prompt + generated) tokens.
+module's ``generate``, ``generate_sharded``, passes its parallelized one) the
+prompt runs once and every later call feeds only the newest token, its keys and
+values kept in the step's cache. Without one, each step recomputes the whole
+prefix: one forward of the model on batch x (prompt + generated) tokens.
 
 Every rank computes the same gathered logits; rank 0 picks the next tokens
 (argmax, or a draw from its ``generator``, default the global RNG) and
@@ -27,13 +27,17 @@ sequences padded with ``pad_token_id``), and for HF models the defaults
 from __future__ import annotations
 
 import inspect
+import warnings
 
 import torch
 import torch.nn as nn
 
 from . import arguments
-from .errors import ConfigurationError
+from .errors import ConfigurationError, ShardplanError
+from .kvcache import cache_length
+from .layouts import Shard
 from .runtime.comm import Group
+from .torch_compat import pytree
 
 _UNSET = object()
 
@@ -92,6 +96,46 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
                 if not unfinished.any():
                     break
     return ids
+
+
+def generate_sharded(sharded: nn.Module, input_ids: torch.Tensor, *, kv_cache: bool = True,
+                     **kwargs) -> torch.Tensor:
+    """``generate`` on a ``ShardedModule`` (its ``generate``), the same tokens on every rank
+    (collective); ``kwargs``: ``generate``'s sampling arguments.
+
+    With ``kv_cache`` (the default) the model runs as its decode step
+    (``sharded.decode_step``): the prompt once, then one token per step, each rank
+    holding its heads of the K/V cache. A model with no decode step recomputes the
+    whole prefix for every token, with a warning saying why. The arguments are checked
+    (``check_arguments``) before a step is built.
+    """
+    check_arguments(sharded.source, input_ids, **kwargs)  # before a decode step is built
+    arguments.flag("kv_cache", kv_cache, where=_WHERE)
+    step = _decode_step_for(sharded, input_ids, kwargs["max_new_tokens"]) if kv_cache else None
+    gather = None if sharded.gather_output or step is not None else vocab_gather(sharded)
+    return generate(sharded, input_ids, group=sharded.group, source=sharded.source,
+                    gather=gather, step=step, **kwargs)
+
+
+def vocab_gather(sharded: nn.Module):
+    """For a ``ShardedModule`` parallelized with gather_output=False: the function that
+    turns this rank's part of the last position's logits (batch, vocab part) into the
+    full, unpadded (batch, vocab); None where the logits are not split."""
+    annotation, group = sharded.annotation, sharded.group
+    out = next(n for n in annotation.gm.graph.nodes if n.op == "output")
+    logits = pytree.tree_leaves(out.args[0])[0]
+    lay, full = annotation.layouts.get(logits), logits.meta["val"].shape
+    if not isinstance(lay, Shard):
+        return None
+    if lay.dim % len(full) != len(full) - 1:
+        raise ConfigurationError(f"the logits are split along dim {lay.dim}, not the vocabulary",
+                                 fix="parallelize with gather_output=True to generate")
+
+    def gather(part: torch.Tensor) -> torch.Tensor:
+        parts = group.all_gather(part.unsqueeze(0), 0, site="generate.logits").unbind(0)
+        return Shard(part.dim() - 1, lay.blocks, lay.padded, lay.replicas).unshard(
+            list(parts), int(full[-1]))
+    return gather
 
 
 def check_arguments(source: nn.Module, input_ids, *, max_new_tokens, do_sample=False,
@@ -179,6 +223,21 @@ def _check_ids(ids, vocab: int | None) -> None:
         raise ConfigurationError(f"input_ids holds id {low if low < 0 else high}, outside the "
                                  f"vocabulary [0, {vocab})", where=_WHERE,
                                  fix="check the tokenizer: it must be the model's")
+
+
+def _decode_step_for(sharded: nn.Module, input_ids: torch.Tensor, max_new_tokens: int):
+    """The sharded model's decode step that fits this generation, or None (warned) where
+    there is none."""
+    batch, prompt = input_ids.shape
+    if max_new_tokens < 1:
+        return None  # the prompt is the result
+    try:
+        length = cache_length(sharded.source, prompt + max_new_tokens - 1)
+        return sharded.decode_step(batch, length)
+    except ShardplanError as e:  # no step, or one that cannot be captured or planned
+        warnings.warn(f"generate: no K/V cache, the prefix is recomputed for every token: "
+                      f"{e.what}", stacklevel=4)
+        return None
 
 
 def positions(mask: torch.Tensor) -> torch.Tensor:

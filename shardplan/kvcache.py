@@ -16,7 +16,9 @@ up to its own. The cache shapes are static and the token count is
 symbolic, so a parallelized step captures once (``sharded.parallel_step``): the
 prompt's graph also runs every later single token. The planner splits the caches along heads like the
 k/v projections they meet: each rank holds its own K/V heads, and K/V heads
-shared by a group of ranks (fewer K/V heads than tp) once per rank.
+shared by a group of ranks (fewer K/V heads than tp) once per rank. A sharded
+model's steps (``DecodeSteps``, its ``decode_step``) keep its plan and read its
+own shards.
 
 Families: the bundled ``GPT`` and ``Llama``, and Hugging Face causal LMs
 that declare static-cache support (``_can_compile_fullgraph``: GPT-2, Llama,
@@ -29,14 +31,17 @@ from __future__ import annotations
 
 import functools
 import inspect
+from typing import Callable, Generic, TypeVar
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from .errors import ConfigurationError, UnsupportedDecode
+from .layouts import set_spec, spec_of
 from .models.gpt import GPT
 from .models.llama import Llama, apply_rope, repeat_kv
+from .planner.capture import PLANNING_LOCK
 
 
 def decode_step(model: nn.Module, batch: int, max_len: int) -> "DecodeStep":
@@ -59,6 +64,60 @@ def cache_length(model: nn.Module, needed: int) -> int:
         if isinstance(limit, int) and limit >= needed:
             return min(length, limit)
     return length
+
+
+M = TypeVar("M", bound=nn.Module)
+
+
+class DecodeSteps(Generic[M]):
+    """A sharded model's parallelized decode steps, one per (batch, max_len), made on first
+    use: each keeps replicated what the model's plan does and reads the model's own shards
+    (not copies)."""
+
+    def __init__(self, parallelize: Callable[..., M]):
+        #: ``parallelize(step, captured=, keep=)``: a step parallelized as the model was
+        #: (``sharded.parallel_step``)
+        self._parallelize = parallelize
+        self._steps: dict[tuple[int, int], M] = {}
+
+    def get(self, model: nn.Module, batch: int, max_len: int, captured=None) -> M:
+        """The step of ``model`` (a ``ShardedModule``) for ``batch`` sequences of up to
+        ``max_len`` tokens; raises ``UnsupportedDecode`` where the model has none.
+        ``captured``: the step's capture, if made already (``capture(step, step.example(2))``)."""
+        key = (batch, max_len)
+        if key not in self._steps:
+            keep = {"model." + fqn: lay for fqn, lay in model.layouts.items()}
+            with PLANNING_LOCK:
+                step = decode_step(model.source, batch, max_len)
+            sharded = self._parallelize(step, captured=captured, keep=keep)
+            _adopt(sharded, model, prefix="model.")
+            self._steps[key] = sharded
+        return self._steps[key]
+
+    def clear(self) -> None:
+        """Forget every step: they read tensors the model no longer holds."""
+        self._steps.clear()
+
+
+def _adopt(step: nn.Module, model: nn.Module, prefix: str) -> None:
+    """The parallelized ``step`` reads ``model``'s tensors (the step's FQN = ``prefix`` +
+    theirs) in place of its copies of them; caches still on ``meta`` become zeros on
+    ``model``'s device. A tensor the step splits otherwise is ``UnsupportedDecode``."""
+    theirs, device = model.rank_tensors, model.device
+    adopted = {}
+    for fqn, mine in step.rank_tensors.items():
+        same = theirs.get(fqn.removeprefix(prefix)) if fqn.startswith(prefix) else None
+        if same is None:
+            if mine.is_meta:
+                zeros = torch.zeros(mine.shape, dtype=mine.dtype, device=device)
+                adopted[fqn] = set_spec(zeros, spec_of(mine))
+            continue
+        if spec_of(same) != spec_of(mine) or same.shape != mine.shape:
+            raise UnsupportedDecode(
+                f"the decode step splits {fqn.removeprefix(prefix)} as "
+                f"{spec_of(mine).layout} but the model as {spec_of(same).layout}")
+        adopted[fqn] = same
+    step.share_tensors_(adopted)
 
 
 def placement(cache_position: torch.Tensor, max_len: int, dtype: torch.dtype):

@@ -3,18 +3,23 @@
 Users call one model several ways (with and without targets, train and eval,
 batch 1 for inference). A capture bakes in its signature and mode, so the
 sharded module captures each new way on first use and caches the rewritten
-graph; every graph binds the same parameter shards.
+graph; every graph binds the same parameter shards. Compiling the graphs
+(``compile``) and generating (``generate``, ``kvcache``) live in their own
+modules, which this one calls.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from . import arguments
+from .compile import GraphCompiler
+from .generate import generate_sharded
+from .kvcache import DecodeSteps
 from .planner.capture import PLANNING_LOCK, Captured, capture
 from .planner.annotate import Annotation, annotate
 from .planner.input_shapes import InputShapes
@@ -23,16 +28,10 @@ from .layouts import MeshDim, MeshSizes, Replicate, Shard, set_spec, spec_of
 from .planner.plan import build_plan
 from .parallel.fsdp import OwnedPiece, adopt_tree, apply_fsdp, install_owners, route_through_owners
 from .planner.recompute import Recomputed, block_names, outline_blocks
-from .errors import CaptureError, CheckpointError, ConfigurationError
+from .errors import CaptureError, CheckpointError
 from .planner.rewrite import bind, gather_params, rewrite
 from .planner.rules import RuleSet
 from .runtime.comm import Group
-from .runtime.graph_ops import ModelParallelRNG
-from .runtime.onednn import OneDnnGemms
-from .runtime.overlap import OverlapCollectives
-from .runtime.passes import PostGradPasses
-from .runtime.random import tracker_for
-from .runtime.region_random import DRAWS
 from .torch_compat import FakeTensor, pytree, set_child
 from .planner.shards import local_tensors
 
@@ -49,7 +48,9 @@ class ShardedModule(nn.Module):
                  keep: dict | None = None):
         super().__init__()
         self.training = source.training  # the mode the first graph is captured in
-        self._compile = compile  # False, or torch.compile's backend (True: inductor)
+        #: compiles each graph as it is made (``compile``: False, or torch.compile's
+        #: backend, True for inductor)
+        self._compiler = GraphCompiler(compile) if compile else None
         self._source = [source]  # a list hides it from nn.Module's registry
         self._group, self._rules = group, rules
         self._gather, self._strict = gather_output, strict
@@ -57,10 +58,9 @@ class ShardedModule(nn.Module):
         #: call key -> [(the input shapes it serves or None for any, rewritten graph)]
         self._graphs: dict[tuple, list[tuple[InputShapes | None, fx.GraphModule]]] = {}
         self._refits: set = set()  # call keys already warned about a specialised capture
-        self._decoders: dict = {}  # (batch, max_len) -> the parallelized decode step
-        #: what ``compile_graph`` compiled for each way of calling (call key -> modules)
-        self.compiled_units: dict = {}
-        self._draws = False  # a compiled graph draws from the model-parallel stream
+        #: the parallelized decode steps (``decode_step``), made on first use
+        self._decode_steps = DecodeSteps(functools.partial(parallel_step, group=group,
+                                                           rules=rules, strict=strict))
         #: FQNs of the blocks whose activations are recomputed in backward
         self.recomputed = block_names(source, recompute) if recompute else []
         #: FQNs of the blocks FSDP2 shards over the data-parallel ranks (``parallel.fsdp``)
@@ -95,6 +95,16 @@ class ShardedModule(nn.Module):
         return self._group
 
     @property
+    def gather_output(self) -> bool:
+        """Whether each graph all-gathers its split outputs (``parallelize``'s argument)."""
+        return self._gather
+
+    @property
+    def device(self) -> torch.device:
+        """Where this rank's parameters are (CPU for a module with none)."""
+        return _device_of(self)
+
+    @property
     def source(self) -> nn.Module:
         """The module this one was parallelized from: what each new way of calling captures."""
         return self._source[0]
@@ -125,6 +135,12 @@ class ShardedModule(nn.Module):
     @property
     def code(self) -> str:
         return self.graph_module.code
+
+    @property
+    def compiled_units(self) -> dict:
+        """What ``compile.compile_graph`` compiled for each way of calling (call key ->
+        modules); empty without ``compile``."""
+        return self._compiler.units if self._compiler is not None else {}
 
     def forward(self, *args, **kwargs):
         self._check_materialized(args, kwargs)
@@ -159,8 +175,8 @@ class ShardedModule(nn.Module):
         """Run ``gm``; a guard export left that the call fails is ``_GuardFailed``, and a
         fake tensor among the outputs a ``CaptureError``."""
         self._last[0] = gm
-        if self._draws:  # a compiled graph reads the tracker's state but cannot install one
-            tracker_for(self._group.rank)
+        if self._compiler is not None:
+            self._compiler.before_call(self._group.rank)
         try:
             out = gm(*args, **kwargs)
         except AssertionError as e:
@@ -176,103 +192,28 @@ class ShardedModule(nn.Module):
 
     def generate(self, input_ids: torch.Tensor, *, kv_cache: bool = True,
                  **kwargs) -> torch.Tensor:
-        """Greedy or sampled generation, the same tokens on every rank (collective);
-        see ``shardplan.generate.generate`` for the arguments.
-
-        With ``kv_cache`` (the default) the model runs as its decode step
-        (``decode_step``): the prompt once, then one token per step, each rank
-        holding its heads of the K/V cache. A model with no decode step
-        recomputes the whole prefix for every token, with a warning saying why. The
-        arguments are checked (``generate.check_arguments``) before a step is built.
-        """
-        from .generate import check_arguments, generate
-        check_arguments(self._source[0], input_ids, **kwargs)  # before a decode step is built
-        arguments.flag("kv_cache", kv_cache, where="generate")
-        step = self._decoder_for(input_ids, kwargs["max_new_tokens"]) if kv_cache else None
-        gather = None if self._gather or step is not None else self._vocab_gather()
-        return generate(self, input_ids, group=self._group, source=self._source[0],
-                        gather=gather, step=step, **kwargs)
+        """Greedy or sampled generation, the same tokens on every rank (collective): the
+        prompt once, then one token per step on this model's decode step (its K/V cache
+        split by heads) unless ``kv_cache=False``. See ``generate.generate_sharded``; the
+        sampling arguments are ``generate.generate``'s."""
+        return generate_sharded(self, input_ids, kv_cache=kv_cache, **kwargs)
 
     def decode_step(self, batch: int, max_len: int,
-                    captured: Captured | None = None) -> "ShardedModule":
+                    captured: Captured | None = None) -> ShardedModule:
         """The parallelized decode step (``kvcache.decode_step``) of this model for ``batch``
         sequences of up to ``max_len`` tokens: its K/V caches split by heads, its
         parameters this module's own shards (not copies). Made once per (batch,
         max_len); raises ``UnsupportedDecode`` where the model has none. The step's plan
         keeps replicated what this module's plan does; ``captured``: the step's capture,
-        if made already (``capture(step, step.example(2))``)."""
-        from .kvcache import decode_step
-        key = (batch, max_len)
-        if key not in self._decoders:
-            keep = {"model." + fqn: lay for fqn, lay in self.layouts.items()}
-            with PLANNING_LOCK:
-                step = decode_step(self._source[0], batch, max_len)
-            sharded = parallel_step(step, self._group, self._rules, strict=self._strict,
-                                    captured=captured, keep=keep)
-            sharded._adopt(self, prefix="model.")
-            self._decoders[key] = sharded
-        return self._decoders[key]
-
-    def _decoder_for(self, input_ids: torch.Tensor, max_new_tokens: int):
-        """The decode step that fits this generation, or None (warned) where there is none."""
-        from .errors import ShardplanError
-        from .kvcache import cache_length
-        batch, prompt = input_ids.shape
-        if max_new_tokens < 1:
-            return None  # the prompt is the result
-        try:
-            length = cache_length(self._source[0], prompt + max_new_tokens - 1)
-            return self.decode_step(batch, length)
-        except ShardplanError as e:  # no step, or one that cannot be captured or planned
-            warnings.warn(f"generate: no K/V cache, the prefix is recomputed for every token: "
-                          f"{e.what}", stacklevel=3)
-            return None
-
-    def _adopt(self, owner: "ShardedModule", prefix: str) -> None:
-        """Read ``owner``'s tensors (this module's FQN = ``prefix`` + theirs) in place of this
-        module's copies of them; caches still on ``meta`` become zeros on ``owner``'s device."""
-        from .errors import UnsupportedDecode
-        device = _device_of(owner)
-        for fqn, mine in list(self._tensors.items()):
-            theirs = owner._tensors.get(fqn.removeprefix(prefix)) if fqn.startswith(prefix) \
-                else None
-            if theirs is None:
-                if mine.is_meta:
-                    new = set_spec(torch.zeros(mine.shape, dtype=mine.dtype, device=device),
-                                   spec_of(mine))
-                    self._tensors[fqn] = new
-                continue
-            if spec_of(theirs) != spec_of(mine) or theirs.shape != mine.shape:
-                raise UnsupportedDecode(
-                    f"the decode step splits {fqn.removeprefix(prefix)} as "
-                    f"{spec_of(mine).layout} but the model as {spec_of(theirs).layout}")
-            self._tensors[fqn] = theirs
-        self._rebind()
-
-    def _vocab_gather(self):
-        """With gather_output=False: the function that turns this rank's part of the last
-        position's logits (batch, vocab part) into the full, unpadded (batch, vocab)."""
-        out = next(n for n in self.annotation.gm.graph.nodes if n.op == "output")
-        logits = pytree.tree_leaves(out.args[0])[0]
-        lay, full = self.annotation.layouts.get(logits), logits.meta["val"].shape
-        if not isinstance(lay, Shard):
-            return None
-        if lay.dim % len(full) != len(full) - 1:
-            raise ConfigurationError(f"the logits are split along dim {lay.dim}, not the vocabulary",
-                                     fix="parallelize with gather_output=True to generate")
-
-        def gather(part: torch.Tensor) -> torch.Tensor:
-            parts = self._group.all_gather(part.unsqueeze(0), 0, site="generate.logits").unbind(0)
-            return Shard(part.dim() - 1, lay.blocks, lay.padded, lay.replicas).unshard(
-                list(parts), int(full[-1]))
-        return gather
+        if made already (``capture(step, step.example(2))``). See ``kvcache.DecodeSteps``."""
+        return self._decode_steps.get(self, batch, max_len, captured)
 
     def shard_data_parallel(self, dp_mesh, options: dict) -> None:
         """FSDP2 over ``dp_mesh`` per block, then the root (``parallel.fsdp.apply_fsdp``);
         from then on this rank's parameters are its ``DTensor`` shards of its TP shards."""
         apply_fsdp(self, self.fsdp_blocks, dp_mesh, options)
         self._tensors.update(self.named_parameters(remove_duplicate=False))
-        self._decoders.clear()
+        self._decode_steps.clear()
 
     def load_local_(self, tensors: dict[str, torch.Tensor]) -> None:
         """Set this rank's tensors by FQN (every alias of a tied one): copied in place
@@ -294,7 +235,14 @@ class ShardedModule(nn.Module):
                 with torch.no_grad():
                     current.copy_(value)
         self._rebind()
-        self._decoders.clear()  # they read the tensors replaced above
+        self._decode_steps.clear()  # they read the tensors replaced above
+
+    def share_tensors_(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Read ``tensors`` (FQN -> a tensor of the spec and shape of this module's, every
+        alias of a tied one named) in place of this module's own: the same objects, not
+        copies (a decode step reads its model's shards, ``kvcache.DecodeSteps``)."""
+        self._tensors.update(tensors)
+        self._rebind()
 
     def _rebind(self) -> None:
         """Every graph (and this module's parameter list) reads ``_tensors`` again."""
@@ -370,10 +318,8 @@ class ShardedModule(nn.Module):
         else:  # read the module tree FSDP2 manages
             gm = route_through_owners(gm)
             adopt_tree(gm, self)
-        if self._compile:
-            self.compiled_units[_key(args, kwargs, self.training)] = compile_graph(
-                gm, "inductor" if self._compile is True else self._compile)
-            self._draws |= any(isinstance(m, ModelParallelRNG) for m in gm.modules())
+        if self._compiler is not None:
+            self._compiler.compile(_key(args, kwargs, self.training), gm)
         return gm
 
     def _wrap(self, piece: fx.GraphModule, block: str) -> nn.Module:
@@ -393,42 +339,6 @@ def parallel_step(step: nn.Module, group: Group, rules: RuleSet, *, strict: bool
     sharded._graphs[_key(step.example(1), {}, step.training)] = [(None, sharded.graph_module)]
     step.release_caches()  # this rank's shards (or, replicated, the same objects) stay
     return sharded
-
-
-def compile_graph(gm: fx.GraphModule, backend: str) -> list[nn.Module]:
-    """``torch.compile`` ``gm`` in place, each unit as one graph (``fullgraph``), and
-    return the units: every block's piece when the graph is cut into blocks
-    (recomputation or FSDP2: torchtitan's per-block compile, the glue between blocks
-    and FSDP2's hooks stay eager), else the whole graph. Batch and sequence become
-    dynamic on the first call with other sizes (one recompile). Dropout draws the
-    masks eager draws: the model-parallel stream through ``region_random``, the
-    replicated one through torch's generator (inductor's ``fallback_random``). Under
-    inductor the forward and input-gradient GEMMs run on oneDNN (``runtime.onednn``)
-    and each collective overlaps the compute that does not need it
-    (``runtime.overlap``)."""
-    fork = [name for name, m in gm.named_modules()
-            if isinstance(m, ModelParallelRNG) and not m.traceable]
-    if fork:
-        raise ConfigurationError(
-            f"compile: {fork[0]} runs {gm.get_submodule(fork[0]).op} on the model-parallel RNG "
-            f"stream by swapping generators, which torch.compile cannot trace (only "
-            f"{', '.join(DRAWS)} have a traceable form)",
-            fix="remove that op from the rule file's random table, call eval(), or pass "
-                "compile=False")
-    units = [m.block for m in gm.modules() if isinstance(m, Recomputed)]
-    units += [m.piece for m in gm.modules()
-              if isinstance(m, OwnedPiece) and not isinstance(m.piece, Recomputed)]
-    # inductor draws replicated-stream dropout from its own generator unless told to call
-    # torch's: with the fallback a compiled model draws the masks an eager one draws;
-    # forward and input-gradient GEMMs run on oneDNN (runtime/onednn.py); each
-    # collective overlaps the compute that does not need it (runtime/overlap.py), in
-    # the order that pass leaves (inductor's peak-memory reordering would undo it)
-    passes = PostGradPasses(OneDnnGemms(), OverlapCollectives())
-    options = ({"fallback_random": True, "post_grad_custom_post_pass": passes,
-                "reorder_for_peak_memory": False} if backend == "inductor" else None)
-    for unit in units or [gm]:
-        unit.compile(fullgraph=True, backend=backend, options=options)
-    return units or [gm]
 
 
 class _GuardFailed(Exception):
