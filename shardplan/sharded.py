@@ -16,7 +16,8 @@ import torch.nn as nn
 
 from . import arguments
 from .planner.capture import PLANNING_LOCK, Captured, capture
-from .planner.annotate import Annotation, annotate
+from .planner.annotate import annotate
+from .planner.annotation import Annotation
 from .planner.input_shapes import InputShapes
 from .planner.inputs import check_dtypes
 from .layouts import MeshDim, MeshSizes, Replicate, Shard, set_spec, spec_of

@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .annotate import Annotation
+from .annotation import Annotation
 from .capture import module_of
 from .graph import args_of, op_name, operand, operands, replace_operand, set_arg, tensor_shape
 from .kinds import KINDS, Role

@@ -633,7 +633,7 @@ def _written_in_place(gm, mods) -> list[ExportIssue]:
 def _resized(gm, ann, tp: int, mods) -> dict[str, str]:
     """Source line -> module, for each size argument shardplan's rewrite divides by tp, on
     a tensor the export leaves local (not an LM head's logits, which it gathers)."""
-    from ..planner.annotate import read_as
+    from ..planner.annotation import read_as
     from ..planner.capture import module_of, source_of
     from ..planner.graph import args_of, op_name
     from ..planner.kinds import KINDS

@@ -17,13 +17,14 @@ size list), as export writes them: positional arguments positionally.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, ClassVar, cast
 
 import torch
 import torch.fx as fx
 
-from ...layouts import MeshDim, MeshSizes, Partial, Replicate, Shard
+from ...layouts import Layout, MeshDim, MeshSizes, Partial, Replicate, Shard
 from ..graph import op_name
 from ...torch_compat import OpOverload
 
@@ -66,8 +67,8 @@ class Conflict:
 class Outcome:
     """What one rule says about one node."""
 
-    out: object  # Layout, tuple of Layouts, or None for non-tensors
-    needs: dict = field(default_factory=dict)  # operand path -> required Layout
+    out: Layout | tuple | None  # a tuple of Layouts for several outputs, None for non-tensors
+    needs: Mapping[tuple, Layout] = field(default_factory=dict)  # by operand path
     role: Role = Role.LOCAL
     rule: str = ""
     conflict: Conflict | None = None
