@@ -340,20 +340,20 @@ def _segments(node: fx.Node, dim: int, ctx: Context) -> tuple[int, ...] | None:
         seen.add(cur)
         rank = len(tensor_shape(cur))
         for user in cur.users:
-            kind = ctx.kind_of(user)
+            kind = ctx.kind_at(user)
             ushape = shape(user)
-            if kind in ("identity", "elementwise") and ushape is not None and len(ushape) == rank \
+            if kind.per_element and ushape is not None and len(ushape) == rank \
                     and hint(ushape[d]) == size:
                 frontier.append((user, d))
-            elif kind == "reshape" and ushape and d == rank - 1 and \
+            elif kind.name == "reshape" and ushape and d == rank - 1 and \
                     keeps_last_dim([hint(x) for x in tensor_shape(cur)], [hint(x) for x in ushape]):
                 frontier.append((user, len(ushape) - 1))
-            elif kind == "reshape" and ushape and len(ushape) > d and \
+            elif kind.name == "reshape" and ushape and len(ushape) > d and \
                     [hint(x) for x in tensor_shape(cur)[:d + 1]] \
                     == [hint(x) for x in ushape[:d + 1]]:
                 frontier.append((user, d))  # dims after d regrouped (bmm's [S, n, 1] squeezed)
-            elif kind is not None and user.args and user.args[0] is cur:
-                bounds |= KINDS[kind].cuts(user, d)
+            elif user.args and user.args[0] is cur:
+                bounds |= kind.cuts(user, d)
     inner = sorted(b for b in bounds if 0 < b < size)
     if not inner:
         return None
@@ -365,18 +365,17 @@ def _only_to_sinks(node: fx.Node, ctx: Context) -> bool:
     """Does this output reach only the graph output or a loss (an LM head's logits)?"""
     loss = ctx.rules.strategy.vocab_loss
     for user in node.users:
-        kind = ctx.kind_of(user)
-        if user.op == "output" or (loss and op_name(user) == loss.op) \
-                or kind in ("inspect", "size"):
+        kind = ctx.kind_at(user)
+        if user.op == "output" or (loss and op_name(user) == loss.op) or kind.metadata_only:
             continue
-        if kind in ("identity", "reshape", "slice") and _only_to_sinks(user, ctx):
+        if kind.keeps_element_order and _only_to_sinks(user, ctx):
             continue
         return False
     return True
 
 
 def _from_input(node: fx.Node, ctx: Context) -> bool:
-    """Is ``node`` a graph input, through shape-only ops?"""
-    while node.op == "call_function" and ctx.kind_of(node) in ("identity", "reshape", "slice"):
+    """Is ``node`` a graph input, through ops that keep its elements' order?"""
+    while node.op == "call_function" and ctx.kind_at(node).keeps_element_order:
         node = cast(fx.Node, node.args[0])
     return node.op == "placeholder"

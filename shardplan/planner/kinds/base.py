@@ -97,15 +97,34 @@ class Context:
     def kind_of(self, node: fx.Node) -> str | None:
         return self.rules.kind(op_name(node))
 
+    def kind_at(self, node: fx.Node) -> Kind:
+        """The kind the rule set lists ``node``'s op under (its traits), ``UNLISTED``
+        for an op it does not list."""
+        name = self.kind_of(node)
+        return UNLISTED if name is None else KINDS[name]
+
 
 Divide = Callable[[object, int], object]  # (a traced size, divisor) -> the local size
 
 
 class Kind:
-    """A rule kind; subclasses set ``name`` and ``ops`` (or override ``reads``)."""
+    """A rule kind; subclasses set ``name`` and ``ops`` (or override ``reads``), and the
+    traits that hold of their ops (each False unless set)."""
 
     name: ClassVar[str]
     ops: ClassVar[frozenset[str]] = frozenset()  # the overloads whose arguments it reads
+    # traits the planner's walkers ask of an op, by its kind:
+    #: only views or copies its one input (its layout follows the input's dims there)
+    shape_only: ClassVar[bool] = False
+    #: each output element is computed from the elements at its index in the inputs, the
+    #: dims aligned from the right as in broadcasting (no dim moved, merged or dropped)
+    per_element: ClassVar[bool] = False
+    #: its output is some or all of its one input's elements, in their row-major order
+    keeps_element_order: ClassVar[bool] = False
+    #: reads only its input's metadata (a check, a size query): no value flows on
+    metadata_only: ClassVar[bool] = False
+    #: cuts its input into pieces along one dim, or joins pieces along one
+    cuts_or_joins: ClassVar[bool] = False
 
     def reads(self, op: OpOverload) -> bool:
         """Can this kind read ``op``'s arguments? (checked when a rule file loads)"""
@@ -129,6 +148,13 @@ class Kind:
         return node
 
 
+class _Unlisted(Kind):
+    """An op no kind lists: no trait holds of it, it cuts nothing."""
+
+    name = ""
+
+
+UNLISTED = _Unlisted()
 KINDS: dict[str, Kind] = {}
 
 
