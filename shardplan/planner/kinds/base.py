@@ -55,7 +55,7 @@ class Conflict:
 
     node: fx.Node
     reason: str
-    origins: frozenset = frozenset()
+    origins: frozenset[fx.Node] = frozenset()  # the openers of the regions it undoes
     divisibility: bool = False
     closes: bool = False  # a reduction over the split dim: the region just does not close
     replicas: int = 1  # for a divisibility conflict: replicas that would make the split divide
@@ -85,8 +85,8 @@ class Context:
 
     dims: MeshSizes
     rules: Any  # the RuleSet (planner/rules.py imports the kinds: no import of it here)
-    whole: frozenset = frozenset()  # names of reductions not to run in distributed form
-    needs_grad: dict = field(default_factory=dict)  # node -> does its value need a gradient
+    whole: frozenset[str] = frozenset()  # names of reductions not to run in distributed form
+    needs_grad: dict[fx.Node, bool] = field(default_factory=dict)  # does its value need one
     dim: MeshDim = MeshDim.TP
 
     @property
