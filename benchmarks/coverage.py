@@ -311,7 +311,7 @@ def _hf_configs(model) -> list:
 
 
 #: the plan's reason for a GEMM whose output does not split into tp parts
-#: (``planner.annotate._too_narrow``)
+#: (``planner.layout_pass._too_narrow``)
 TOO_NARROW = re.compile(r"^output size (\d+) does not divide by tp=(\d+)")
 
 

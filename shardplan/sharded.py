@@ -21,7 +21,8 @@ from .compile import GraphCompiler
 from .generate import generate_sharded
 from .kvcache import DecodeSteps
 from .planner.capture import PLANNING_LOCK, Captured, capture
-from .planner.annotate import Annotation, annotate
+from .planner.annotate import annotate
+from .planner.annotation import Annotation
 from .planner.input_shapes import InputShapes
 from .planner.inputs import check_dtypes
 from .layouts import MeshDim, MeshSizes, Replicate, Shard, set_spec, spec_of

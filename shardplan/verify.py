@@ -18,7 +18,7 @@ import torch.nn as nn
 from pydantic import BaseModel
 
 from .planner.capture import IN_SPEC, capture, module_of, source_of
-from .planner.annotate import op_name
+from .planner.graph import op_name
 from .planner.inputs import check_dtypes, check_model_arg, check_token_ids, example_args
 from .layouts import Partial, Shard
 from .ranks import SimulatedRanks

@@ -176,3 +176,20 @@ def test_a_rule_reads_the_size_of_the_mesh_dim_it_is_applied_to():
     assert key(with_dp) == key(tp2)
     # the bytes a rank holds follow tp's size
     assert choices_cost(with_dp).params == choices_cost(tp2).params > choices_cost(tp4).params
+
+
+def test_the_walkers_traits_hold_of_the_kinds_they_once_listed_by_name():
+    """Each trait holds of exactly the kinds the planner's walkers used to name for it,
+    and of no op the rule set does not list, nor of a new kind that sets none."""
+    was = {"shape_only": {"identity", "reshape", "expand", "permute"},  # split_params
+           "per_element": {"identity", "elementwise"},  # column segments, broadcasts
+           "keeps_element_order": {"identity", "reshape", "slice"},  # logits to a sink
+           "metadata_only": {"inspect", "size"},
+           "cuts_or_joins": {"split", "slice", "concat"}}
+    for trait, kinds in was.items():
+        assert {k for k, kind in KINDS.items() if getattr(kind, trait)} == kinds, trait
+    gm = torch.fx.symbolic_trace(lambda x: torch.flip(x, [0]))
+    flip = next(n for n in gm.graph.nodes if n.op == "call_function")
+    unlisted = Context(MeshSizes.of(tp=2), load_rules("megatron")).kind_at(flip)
+    assert unlisted.name == "" and not any(getattr(unlisted, t) for t in was)
+    assert not any(getattr(_Flip(), t) for t in was)  # a new kind: none unless it sets it

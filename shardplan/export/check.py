@@ -22,7 +22,8 @@ import torch
 
 from ..layouts import Placement, Shard
 from ..planner import blocks
-from ..planner.annotate import annotate, read_as
+from ..planner.annotate import annotate
+from ..planner.annotation import read_as
 from ..planner.capture import capture, module_of, planned_capture, source_of
 from ..planner.graph import args_of, hint, op_name, shape
 from ..planner.inputs import example_args

@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.fx as fx
 
 from .shards import local_shape
 
@@ -47,9 +48,9 @@ class Cost:
 class Choice:
     """How the ops ``nodes`` one region stopped at run."""
 
-    nodes: tuple  # fx.Node in graph order: the reductions run distributed, else the stops
+    nodes: tuple[fx.Node, ...]  # in graph order: the reductions run distributed, else the stops
     chosen: str  # one of ORDER
-    costs: dict  # alternative -> Cost, in ORDER
+    costs: dict[str, Cost]  # by alternative, in ORDER
 
 
 def cost_of(ann) -> Cost:

@@ -94,7 +94,8 @@ def pass_partials(layouts: dict, outcomes: dict, ctx: Context) -> tuple[set, dic
             flow(node, defer_g(node, layouts, outcomes, ctx))
     # partial sums that flow into one sum (an MoE layer's experts and its shared expert):
     # one g, after the sum, instead of one each
-    joins: dict = {}  # sum node -> {operand path: (g node, chain to it)}
+    # a sum -> by operand path: (the partial node, the chain from it to the sum)
+    joins: dict[fx.Node, dict[tuple, tuple[fx.Node, list[fx.Node]]]] = {}
     for node in [n for n, lay in layouts.items() if isinstance(lay, Partial) and n not in passed
                  and outcomes[n].role is not Role.DISTRIBUTED]:
         chain = reach(node, layouts, outcomes, ctx)  # none past a bias: it is added after g
@@ -104,7 +105,7 @@ def pass_partials(layouts: dict, outcomes: dict, ctx: Context) -> tuple[set, dic
             paths = [p for p, b in operands(users[0]) if b is end]
             if len(paths) == 1:
                 joins.setdefault(users[0], {})[paths[0]] = (node, chain)
-    biases: dict = {}
+    biases: dict[fx.Node, list[fx.Node]] = {}
     for total, parts in joins.items():
         if len(parts) == len(operands(total)) >= 2:
             for node, chain in parts.values():

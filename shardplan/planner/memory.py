@@ -38,7 +38,7 @@ import torch.nn as nn
 from pydantic import BaseModel
 
 from . import blocks
-from .annotate import Annotation
+from .annotation import Annotation
 from .capture import Captured, module_of
 from .recompute import block_names
 from .rewrite import bind, rewrite

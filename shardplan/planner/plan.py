@@ -24,7 +24,9 @@ from pydantic import BaseModel, Field, computed_field, field_validator, model_va
 from . import blocks
 from .capture import (Captured, capture, has_repeated_blocks, module_of, remember_capture,
                       source_of)
-from .annotate import Annotation, annotate, block_of, owner_name
+from .annotate import annotate
+from .annotation import Annotation
+from .transition_derivation import block_of, owner_name
 from ..errors import CaptureError
 from .inputs import check_dtypes, check_model_arg, example_args
 from .kinds import Role

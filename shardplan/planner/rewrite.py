@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .annotate import Annotation
+from .annotation import Annotation, Edge
 from .capture import module_of
 from .graph import args_of, op_name, operand, operands, replace_operand, set_arg, tensor_shape
 from .kinds import KINDS, Role
@@ -90,23 +90,27 @@ def _copy(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict]:
 
 class _Rewriter:
     def __init__(self, ann: Annotation, groups: Mapping[MeshDim, Group], gm: fx.GraphModule,
-                 env: dict):
+                 env: dict[fx.Node, fx.Node]):
         self.ann, self.groups, self.gm, self.graph = ann, groups, gm, gm.graph
         self.group = groups[ann.dim]  # the planned dim's: the ops replaced by role run on it
         self.env = env  # annotated node -> the node computing it here
-        self.reduced: dict = {}  # annotated partial node -> the node holding its sum
-        self.shared: dict = {}  # (src, purpose) -> the node of a transition shared by consumers
-        self.count: dict = {}
-        self.at_edge: dict = {}  # (consumer, path) -> [Transition]
-        self.after: dict = {}  # annotated node -> its G (or sequence scatter) transition
+        self.reduced: dict[fx.Node, fx.Node] = {}  # annotated partial -> the node of its sum
+        # (src, purpose) -> the node of a transition shared by consumers
+        self.shared: dict[tuple[fx.Node, Purpose], fx.Node] = {}
+        # (src, SEQ_GRAD_BUCKET) -> a bucket's outputs, by annotated source
+        self.buckets: dict[tuple[fx.Node, Purpose], dict[fx.Node, fx.Node]] = {}
+        self.count: dict[str, int] = {}  # modules inserted so far, by kind
+        self.at_edge: dict[Edge, list[Transition]] = {}  # by (consumer, operand path)
+        self.after: dict[fx.Node, Transition] = {}  # its G (or sequence scatter, or STAT)
         self.gathers: list[Transition] = []
-        self.bias: dict = {}  # annotated view -> the bias of the partial result it views
+        self.bias: dict[fx.Node, fx.Node | None] = {}  # annotated view -> its partial's bias
         # a row-parallel partial joining a sum of partial sums -> that sum; the sum -> the
         # biases (taken out of its partials) added after its g
         self.joined = {p: total for total, ps in ann.joined_biases.items() for p in ps}
-        self.join_bias: dict = {}
-        self.fused: set = set()  # annotated linears run by the first linear sharing their input
-        self.losses: dict = {}  # annotated vocab-parallel loss node -> its VOCAB_LOSS transition
+        self.join_bias: dict[fx.Node, list[fx.Node | None]] = {}
+        self.fused: set[fx.Node] = set()  # annotated linears run by the first sharing their input
+        self.losses: dict[fx.Node, Transition] = {}  # annotated vocab-parallel loss -> its
+        # VOCAB_LOSS transition
         for t in ann.transitions:
             if t.purpose in (Purpose.G, Purpose.SEQ_SCATTER, Purpose.STAT):
                 self.after[t.src] = t
@@ -223,7 +227,7 @@ class _Rewriter:
         """The ``SumGradients`` node of bucket ``t``, placed before its first consumer (in
         that consumer's module, so it stays in the block): annotated source -> its output."""
         key = (t.src, t.purpose)
-        if key not in self.shared:
+        if key not in self.buckets:
             values = [self._value(s) for s in t.sources]
             for v in values:  # a parameter read first after the consumer: read it before
                 if v.op == "get_attr" and consumer < v:
@@ -234,8 +238,8 @@ class _Rewriter:
                 outs = [self.graph.call_function(operator.getitem, (node, i))
                         for i in range(len(values))]
             _in_module_of(node, consumer)
-            self.shared[key] = dict(zip(t.sources, outs))
-        return self.shared[key]
+            self.buckets[key] = dict(zip(t.sources, outs))
+        return self.buckets[key]
 
     def _reduce(self, orig: fx.Node, node: fx.Node, out, t: Transition) -> None:
         """g (or the sequence scatter) after a partial result; a bias operand is added

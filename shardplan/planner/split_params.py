@@ -23,9 +23,6 @@ from .kinds.base import with_dim
 from .kinds.permute import PERMUTATIONS
 from .reshape import map_reshape
 
-#: kinds that only view or copy their one input
-SHAPE_ONLY = frozenset({"identity", "reshape", "expand", "permute"})
-
 
 def split_parameter(node: fx.Node, need: Shard, params: dict, ctx: Context) -> dict | None:
     """``node`` -> ``need`` and the layouts of the views before it, back to the parameter
@@ -33,7 +30,7 @@ def split_parameter(node: fx.Node, need: Shard, params: dict, ctx: Context) -> d
     None when there is no such parameter or no layout of it gives ``need``."""
     chain = []
     cur = node
-    while cur.op == "call_function" and ctx.kind_of(cur) in SHAPE_ONLY and cur.args \
+    while cur.op == "call_function" and ctx.kind_at(cur).shape_only and cur.args \
             and isinstance(cur.args[0], fx.Node) and (cur is node or len(cur.users) == 1):
         chain.append(cur)
         cur = cur.args[0]

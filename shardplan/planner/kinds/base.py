@@ -17,13 +17,14 @@ size list), as export writes them: positional arguments positionally.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, ClassVar, cast
 
 import torch
 import torch.fx as fx
 
-from ...layouts import MeshDim, MeshSizes, Partial, Replicate, Shard
+from ...layouts import Layout, MeshDim, MeshSizes, Partial, Replicate, Shard
 from ..graph import op_name
 from ...torch_compat import OpOverload
 
@@ -54,7 +55,7 @@ class Conflict:
 
     node: fx.Node
     reason: str
-    origins: frozenset = frozenset()
+    origins: frozenset[fx.Node] = frozenset()  # the openers of the regions it undoes
     divisibility: bool = False
     closes: bool = False  # a reduction over the split dim: the region just does not close
     replicas: int = 1  # for a divisibility conflict: replicas that would make the split divide
@@ -66,8 +67,8 @@ class Conflict:
 class Outcome:
     """What one rule says about one node."""
 
-    out: object  # Layout, tuple of Layouts, or None for non-tensors
-    needs: dict = field(default_factory=dict)  # operand path -> required Layout
+    out: Layout | tuple | None  # a tuple of Layouts for several outputs, None for non-tensors
+    needs: Mapping[tuple, Layout] = field(default_factory=dict)  # by operand path
     role: Role = Role.LOCAL
     rule: str = ""
     conflict: Conflict | None = None
@@ -84,8 +85,8 @@ class Context:
 
     dims: MeshSizes
     rules: Any  # the RuleSet (planner/rules.py imports the kinds: no import of it here)
-    whole: frozenset = frozenset()  # names of reductions not to run in distributed form
-    needs_grad: dict = field(default_factory=dict)  # node -> does its value need a gradient
+    whole: frozenset[str] = frozenset()  # names of reductions not to run in distributed form
+    needs_grad: dict[fx.Node, bool] = field(default_factory=dict)  # does its value need one
     dim: MeshDim = MeshDim.TP
 
     @property
@@ -96,15 +97,34 @@ class Context:
     def kind_of(self, node: fx.Node) -> str | None:
         return self.rules.kind(op_name(node))
 
+    def kind_at(self, node: fx.Node) -> Kind:
+        """The kind the rule set lists ``node``'s op under (its traits), ``UNLISTED``
+        for an op it does not list."""
+        name = self.kind_of(node)
+        return UNLISTED if name is None else KINDS[name]
+
 
 Divide = Callable[[object, int], object]  # (a traced size, divisor) -> the local size
 
 
 class Kind:
-    """A rule kind; subclasses set ``name`` and ``ops`` (or override ``reads``)."""
+    """A rule kind; subclasses set ``name`` and ``ops`` (or override ``reads``), and the
+    traits that hold of their ops (each False unless set)."""
 
     name: ClassVar[str]
     ops: ClassVar[frozenset[str]] = frozenset()  # the overloads whose arguments it reads
+    # traits the planner's walkers ask of an op, by its kind:
+    #: only views or copies its one input (its layout follows the input's dims there)
+    shape_only: ClassVar[bool] = False
+    #: each output element is computed from the elements at its index in the inputs, the
+    #: dims aligned from the right as in broadcasting (no dim moved, merged or dropped)
+    per_element: ClassVar[bool] = False
+    #: its output is some or all of its one input's elements, in their row-major order
+    keeps_element_order: ClassVar[bool] = False
+    #: reads only its input's metadata (a check, a size query): no value flows on
+    metadata_only: ClassVar[bool] = False
+    #: cuts its input into pieces along one dim, or joins pieces along one
+    cuts_or_joins: ClassVar[bool] = False
 
     def reads(self, op: OpOverload) -> bool:
         """Can this kind read ``op``'s arguments? (checked when a rule file loads)"""
@@ -128,6 +148,13 @@ class Kind:
         return node
 
 
+class _Unlisted(Kind):
+    """An op no kind lists: no trait holds of it, it cuts nothing."""
+
+    name = ""
+
+
+UNLISTED = _Unlisted()
 KINDS: dict[str, Kind] = {}
 
 

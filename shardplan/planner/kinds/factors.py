@@ -33,6 +33,7 @@ class EinsumKind(Kind):
 @register
 class ElementwiseKind(Kind):
     name = "elementwise"
+    per_element = True
 
     def reads(self, op) -> bool:
         return returns_one_tensor(op)

@@ -12,6 +12,9 @@ class IdentityKind(Kind):
     """One tensor in, same layout out; other operands only lend a dtype (type_as)."""
 
     name = "identity"
+    shape_only = True
+    per_element = True
+    keeps_element_order = True
 
     def reads(self, op) -> bool:
         return tensor_to_tensor(op)
@@ -25,6 +28,7 @@ class InspectKind(Kind):
     """Ops that only check their input (metadata asserts): no output to lay out."""
 
     name = "inspect"
+    metadata_only = True
 
     def reads(self, op) -> bool:
         return not op._schema.returns
@@ -38,6 +42,7 @@ class SizeKind(Kind):
     """A size query: fine unless it asks for the size of the split dim."""
 
     name = "size"
+    metadata_only = True
     ops = frozenset({"aten.sym_size.int"})
 
     def rule(self, node, lays, ctx: Context) -> Outcome:

@@ -30,6 +30,7 @@ PERMUTATIONS = {
 @register
 class PermuteKind(Kind):
     name = "permute"
+    shape_only = True
     ops = frozenset(PERMUTATIONS)
 
     def rule(self, node, lays, ctx: Context) -> Outcome:

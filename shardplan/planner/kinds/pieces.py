@@ -24,6 +24,7 @@ _DROPS_DIM = {"aten.unbind.int", "aten.select.int"}  # pieces lose the cut dim
 @register
 class SplitKind(Kind):
     name = "split"
+    cuts_or_joins = True
     ops = frozenset(_SPLITS)
 
     def rule(self, node, lays, ctx: Context) -> Outcome:
@@ -63,6 +64,8 @@ class SplitKind(Kind):
 @register
 class SliceKind(Kind):
     name = "slice"
+    keeps_element_order = True
+    cuts_or_joins = True
     ops = frozenset({"aten.slice.Tensor", "aten.narrow.default", "aten.select.int"})
 
     def rule(self, node, lays, ctx: Context) -> Outcome:
@@ -175,6 +178,7 @@ def _range(node, full: int):
 @register
 class ConcatKind(Kind):
     name = "concat"
+    cuts_or_joins = True
     ops = frozenset({"aten.cat.default"})
 
     def rule(self, node, lays, ctx: Context) -> Outcome:

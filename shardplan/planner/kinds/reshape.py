@@ -18,8 +18,8 @@ from ..reshape import map_reshape, reshape_groups
 from ...layouts import Shard
 from .equation import einsum_labels
 from .permute import PERMUTATIONS
-from .base import Conflict, Context, Kind, Outcome, conflict, cumsum, local_size, register, \
-    with_dim
+from .base import UNLISTED, Conflict, Context, Kind, Outcome, conflict, cumsum, local_size, \
+    register, with_dim
 from .index import constant_index
 
 _DROPS = {"aten.unbind.int", "aten.select.int"}  # pieces lose the cut dim
@@ -37,6 +37,8 @@ _SIZES = {
 @register
 class ReshapeKind(Kind):
     name = "reshape"
+    shape_only = True
+    keeps_element_order = True
     ops = frozenset(_SIZES)
 
     def rule(self, node, lays, ctx: Context) -> Outcome:
@@ -89,6 +91,7 @@ class ReshapeKind(Kind):
 @register
 class ExpandKind(Kind):
     name = "expand"
+    shape_only = True
     ops = frozenset({"aten.expand.default", "aten.broadcast_to.default"})
 
     def rule(self, node, lays, ctx: Context) -> Outcome:
@@ -238,36 +241,36 @@ def _broadcast_later(node, d: int, ctx: Context) -> bool:
         seen.add((cur, d))
         src = [hint(x) for x in tensor_shape(cur)]
         for user in cur.users:
-            kind = ctx.kind_of(user) if user.op == "call_function" else None
-            if kind in ("split", "slice", "concat") and op_name(user) not in _DROPS:
+            kind = ctx.kind_at(user) if user.op == "call_function" else UNLISTED
+            if kind.cuts_or_joins and op_name(user) not in _DROPS:
                 if isinstance(user.meta.get("val"), (list, tuple)):
                     frontier.extend((g, d) for g in user.users)
                 else:
                     frontier.append((user, d))
                 continue
             shp = shape(user) if isinstance(user.meta.get("val"), torch.Tensor) else None
-            if kind == "equation" and shp is not None:  # the dim's letter, if kept
+            if kind.name == "equation" and shp is not None:  # the dim's letter, if kept
                 e = _einsum_dim(user, cur, d)
                 if e is not None and hint(shp[e]) > 1:
                     return True
                 frontier.extend([] if e is None else [(user, e)])
                 continue
-            if shp is None or user.args[0] is not cur and kind != "elementwise":
+            if shp is None or user.args[0] is not cur and kind.name != "elementwise":
                 continue
             out = [hint(x) for x in shp]
-            if kind in ("identity", "elementwise") and len(out) >= len(src):
+            if kind.per_element and len(out) >= len(src):
                 e = d + len(out) - len(src)
                 if out[e] > 1:
                     return True
                 frontier.append((user, e))
-            elif kind == "permute":
+            elif kind.name == "permute":
                 perm = PERMUTATIONS[op_name(user)](args_of(user), len(out))
                 frontier.append((user, perm.index(d)))
-            elif kind == "reshape":
+            elif kind.name == "reshape":
                 groups = reshape_groups(src, out) or []
                 frontier.extend((user, c) for (a, b), (c, e) in groups
                                 if (a, b) == (d, d + 1) and e == c + 1 and out[c] == 1)
-            elif kind == "expand":
+            elif kind.name == "expand":
                 e = d + len(out) - len(src)
                 if out[e] > 1 or (d + 1 < len(src) and src[d + 1] == 1 and out[e + 1] > 1):
                     return True
