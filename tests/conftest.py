@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import pytest
 
 from shardplan.planner.shared_capture import CaptureShare, sharing
@@ -34,8 +36,8 @@ def real_ranks():
         return pools[n]
 
     yield get
-    for pool in pools.values():
-        pool.close()
+    with concurrent.futures.ThreadPoolExecutor() as closing:  # each close waits on its workers
+        list(closing.map(RealRanks.close, pools.values()))
 
 
 @pytest.fixture(scope="session")
