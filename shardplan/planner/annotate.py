@@ -40,7 +40,7 @@ from .graph import op_name
 from .kinds import Role
 from .reassociate import regroup
 from .decompose import decomposable, decompose
-from .choices import ORDER, DISTRIBUTED, GATHERED, REPLICATED, Choice, cost_of
+from .choices import Alternative, Choice, cost_of
 from .rules import RuleSet
 from .settle import settle
 from .transition_derivation import bucket_grad_sums
@@ -101,23 +101,23 @@ def annotate(gm: fx.GraphModule, dims: MeshSizes, rules: RuleSet, *, strict: boo
         if names:
             alt, done, names = _distributed(gm, ann, planned, whole, gather, names, origins)
             if done:  # else none can run distributed (a max that needs its gradient)
-                alts[DISTRIBUTED] = alt
+                alts[Alternative.DISTRIBUTED] = alt
         if not sequence_parallel and not names:
             alt, gathered = _gathered(gm, ann, planned, whole, gather, stops, origins)
             if alt is not None:
-                alts[GATHERED] = alt
+                alts[Alternative.GATHERED] = alt
         if not alts:
             continue
-        alts[REPLICATED] = ann
+        alts[Alternative.REPLICATED] = ann
         costs = {k: cost_of(a) for k, a in alts.items()}
-        chosen = min((k for k in ORDER if k in costs), key=lambda k: costs[k].total)
+        chosen = min((k for k in Alternative if k in costs), key=lambda k: costs[k].total)
         choices.append(Choice(done or tuple(n for n in gm.graph.nodes if n.name in stops),
-                              chosen, {k: costs[k] for k in ORDER if k in costs}))
-        if chosen == DISTRIBUTED:  # the written-out graph becomes the model's
+                              chosen, {k: costs[k] for k in Alternative if k in costs}))
+        if chosen == Alternative.DISTRIBUTED:  # the written-out graph becomes the model's
             gm.graph = alts[chosen].gm.graph
             alts[chosen].gm = gm
             ann, whole = alts[chosen], whole - names
-        elif chosen == GATHERED:
+        elif chosen == Alternative.GATHERED:
             ann, gather = alts[chosen], gather | gathered
     ann.choices = choices
     if not cut_blocks:

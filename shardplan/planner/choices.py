@@ -10,7 +10,7 @@ work upstream stays sharded (a ``gather`` transition; ``gathered``).
 ``annotate`` plans each that applies, per region, and keeps the cheapest by
 ``Cost``: the bytes a training step moves between ranks (both passes, at the
 example's shapes) plus the bytes each rank holds for its parameters in that
-step, each with its gradient. Ties go by ``ORDER``: distributed, then
+step, each with its gradient. Ties go by ``Alternative``'s order: distributed, then
 replicated (no new communication), then gathered.
 A ``Choice`` records the decision and every alternative's cost for the plan
 and reports.
@@ -18,6 +18,7 @@ and reports.
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 
@@ -26,9 +27,16 @@ import torch.fx as fx
 
 from .shards import local_shape
 
-# the alternatives' names (``Choice.chosen``); not ``kinds.base.Role.DISTRIBUTED``, a node's role
-DISTRIBUTED, REPLICATED, GATHERED = "distributed", "replicated", "gathered"
-ORDER = (DISTRIBUTED, REPLICATED, GATHERED)  # the order of preference among equal costs
+class Alternative(str, enum.Enum):
+    """A way to plan a stopped region (``Choice.chosen``), in the order of preference
+    among equal costs."""
+
+    DISTRIBUTED = "distributed"
+    REPLICATED = "replicated"
+    GATHERED = "gathered"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(frozen=True)
@@ -49,8 +57,8 @@ class Choice:
     """How the ops ``nodes`` one region stopped at run."""
 
     nodes: tuple[fx.Node, ...]  # in graph order: the reductions run distributed, else the stops
-    chosen: str  # one of ORDER
-    costs: dict[str, Cost]  # by alternative, in ORDER
+    chosen: Alternative
+    costs: dict[Alternative, Cost]  # in the order of Alternative
 
 
 def cost_of(ann) -> Cost:

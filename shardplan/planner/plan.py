@@ -325,8 +325,8 @@ def build_plan(model: nn.Module, captured: Captured, ann: Annotation, ruleset: R
 def _choice(c) -> ChoiceEntry:
     first = c.nodes[0]
     return ChoiceEntry(nodes=[n.name for n in c.nodes], module=module_of(first),
-                       source=source_of(first), chosen=c.chosen,
-                       costs={k: {"moved": v.moved, "params": v.params}
+                       source=source_of(first), chosen=c.chosen.value,
+                       costs={k.value: {"moved": v.moved, "params": v.params}
                               for k, v in c.costs.items()})
 
 

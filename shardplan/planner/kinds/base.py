@@ -42,8 +42,7 @@ class Role(str, enum.Enum):
     VOCAB_EMBEDDING = "vocab_embedding"
     VOCAB_LOSS = "vocab_loss"
     REPLICATED = "replicated"  # an opener kept replicated (a conflict downstream)
-    DISTRIBUTED = "distributed_reduce"  # reduces a split dim locally: output partial (a role;
-    # ``choices.DISTRIBUTED`` is the name of a weighed alternative)
+    DISTRIBUTED = "distributed_reduce"  # reduces a split dim locally: output partial
 
     def __str__(self) -> str:
         return self.value
