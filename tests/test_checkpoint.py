@@ -139,6 +139,7 @@ def real_checkpoints(ctx, path):
     opt2 = OPTIMIZERS["adamw"](s2.parameters(), lr=1.0)  # the checkpoint's lr must win
     extra = ck.load(s2, f"{path}/sync", optimizer=opt2)
     loaded, loaded_opt = local_state(s2), copy.deepcopy(opt2.state_dict())
+    weights = ck.gather_full_state_dict(s2)
     got = [step(s2, opt2, *data("gpt", i)) for i in (2, 3)]
     s3 = shard(ctx, "gpt", model("gpt", seed=1))
     opt3 = OPTIMIZERS["adamw"](s3.parameters())
@@ -156,7 +157,7 @@ def real_checkpoints(ctx, path):
     llama = (local_state(g), local_state(g2), gopt.state_dict(), gopt2.state_dict())
 
     ck.save(s, f"{path}/no-opt")
-    return gpt, llama, errors(ctx, s, path), ck.gather_full_state_dict(s2)
+    return gpt, llama, errors(ctx, s, path), weights
 
 
 def errors(ctx, s, path):

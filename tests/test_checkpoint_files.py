@@ -289,6 +289,7 @@ def hf_rank(ctx, folders: dict, out: str):
                 logits = sharded(input_ids=ids).logits
             shapes = {k: tuple(t.shape) for k, t in sharded.state_dict().items()}
             ck.save_hf(sharded, f"{out}/{kind}", shard_bytes=40_000)
+            ck.save(sharded, f"{out}/{kind}-ck")
             got[kind] = logits, dict(reads), shapes
     finally:
         HuggingFaceStorageReader._process_read_request = real
@@ -300,7 +301,8 @@ def hf_rank(ctx, folders: dict, out: str):
 def test_hf_folders_load_by_slices_and_export_on_real_gloo(real_ranks, tmp_path):
     """GPT-2 and Llama saved by save_pretrained in 3+ files: at tp 2 each rank reads only
     its share of each sharded tensor and computes HF's logits; save_hf writes a folder
-    (several files and their index) that from_pretrained loads to the same weights."""
+    (several files and their index) that from_pretrained loads to the same weights, and
+    so does ``shardplan export-hf`` from a checkpoint."""
     import transformers
     models = {"gpt2": model(), "llama": hf_cases.build("llama")}
     folders = {}
@@ -336,3 +338,11 @@ def test_hf_folders_load_by_slices_and_export_on_real_gloo(real_ranks, tmp_path)
             assert torch.equal(mine[k], theirs[k]), (kind, k)
         with torch.no_grad():
             assert torch.equal(back(input_ids=ids).logits, want)
+    # the command line: a checkpoint -> an HF folder, the config copied from the original
+    from shardplan import cli
+    out = tmp_path / "cli-llama"
+    assert cli.main(["export-hf", str(tmp_path / "out" / "llama-ck"), str(out),
+                     "--config", folders["llama"]]) == 0
+    back = type(models["llama"]).from_pretrained(out).eval()
+    for k, v in models["llama"].state_dict().items():
+        assert torch.equal(back.state_dict()[k], v), k

@@ -61,10 +61,6 @@ def quietly(fn, *args, **kwargs):
         return fn(*args, **kwargs)
 
 
-# --------------------------------------------------------------------------
-# state dicts
-# --------------------------------------------------------------------------
-
 def _by_param(optimizer, entries: list[Entry]) -> dict[int, Entry]:
     by_id = {id(e.tensor): e for e in entries}
     if any(id(p) not in by_id for g in optimizer.param_groups for p in g["params"]):
@@ -92,10 +88,7 @@ def _class_name(optimizer) -> str:
     return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
 
 
-def _extra_json(extra) -> str:
-    if not isinstance(extra, dict):
-        raise CheckpointError(f"extra must be a dict, got {type(extra).__name__}",
-                              fix="pass extra={'step': ..., 'rng': torch.get_rng_state().tolist()}")
+def _extra_json(extra: dict) -> str:
     for k, v in extra.items():
         try:
             json.dumps({str(k): v})
@@ -123,10 +116,6 @@ def _state(sharded, optimizer, extra) -> dict:
         state["extra"] = _extra_json(extra)
     return state
 
-
-# --------------------------------------------------------------------------
-# save
-# --------------------------------------------------------------------------
 
 def _staging(path: Path) -> Path:
     return path.parent / f".{path.name}.partial"
@@ -161,8 +150,8 @@ def _begin(sharded, path, optimizer, extra):
 def save(sharded, path, *, optimizer: torch.optim.Optimizer | None = None,
          extra: dict | None = None) -> None:
     """Write ``sharded``'s weights (and ``optimizer``'s state) as a DCP checkpoint at
-    ``path`` (a directory), atomically. ``extra``: a JSON-able dict, rank 0's kept
-    (``load`` returns it). Collective over the world."""
+    ``path`` (a directory), atomically. ``extra``: a JSON-able dict, the same on every
+    rank (``load`` returns it). Collective over the world."""
     world, state, tmp = _begin(sharded, path, optimizer, extra)
     _collective("writing the checkpoint", path, lambda: quietly(
         dcp.save, state, checkpoint_id=str(tmp), planner=SavePlanner(),
@@ -265,10 +254,6 @@ def _swap(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(b))
 
 
-# --------------------------------------------------------------------------
-# load
-# --------------------------------------------------------------------------
-
 def read_metadata(path: Path):
     """The DCP metadata at ``path``; a clear error for a retired-format or missing one."""
     index = path / "index.json"
@@ -276,8 +261,8 @@ def read_metadata(path: Path):
         raise CheckpointError(
             f"{path} is in the retired {OLD_FORMAT!r} format (per-rank safetensors files "
             "and index.json), which this shardplan no longer reads", where=str(path),
-            fix="load it with shardplan 0.x (checkpoint.load_sharded) and save it again "
-                "with shardplan.checkpoint.save, or start from its full weights")
+            fix="load it with the shardplan that wrote it (checkpoint.load_sharded) and "
+                "save it again with checkpoint.save, or start from its full weights")
     if not (path / ".metadata").is_file():
         raise CheckpointError(f"no checkpoint at {path} (.metadata is missing)",
                               where=str(path), fix="pass the directory checkpoint.save wrote")

@@ -24,10 +24,6 @@ class Entry:
     layout: Replicate | Shard
     shape: tuple[int, ...]  # the full, unpadded shape
 
-    @property
-    def key(self) -> str:
-        return f"model/{self.fqn}"
-
 
 def entries_of(sharded) -> list[Entry]:
     """Every distinct tensor of ``sharded.state_dict()`` with its layout and full shape."""
