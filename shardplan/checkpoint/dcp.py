@@ -186,7 +186,7 @@ def async_save(sharded, path, *, optimizer: torch.optim.Optimizer | None = None,
     world, state, tmp = _begin(sharded, path, optimizer, extra)
     group = None
     if dist.is_initialized():
-        default = dist.distributed_c10d._get_default_group()
+        default = dist.group.WORLD
         if default not in _ASYNC_GROUPS:
             _ASYNC_GROUPS[default] = dist.new_group(backend="gloo")
         group = _ASYNC_GROUPS[default]
