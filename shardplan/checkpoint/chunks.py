@@ -65,6 +65,8 @@ class SavePlanner(DefaultSavePlanner):
 
 
 class LoadPlanner(DefaultLoadPlanner):
+    """Loads into ``Chunks``; reads no pickled object but plain values."""
+
     def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
         # torch's set-up replaces the values it does not know (a Chunks) by None
         flat, mappings = flatten_state_dict(state_dict)
@@ -79,6 +81,11 @@ class LoadPlanner(DefaultLoadPlanner):
         if isinstance(obj, Chunks):
             return obj.__get_tensor_shard__(index)
         return super().lookup_tensor(index)
+
+    def load_bytes(self, read_item, value) -> None:
+        """A non-tensor entry (JSON text, hyperparameters), unpickled ``weights_only``."""
+        set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn],
+                    torch.load(value, weights_only=True))
 
 
 def segments(lay: Shard, full: int, rank: int, tp: int) -> list[tuple[int, int, int]]:

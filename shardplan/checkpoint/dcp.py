@@ -317,7 +317,8 @@ def load(sharded, path, *, optimizer: torch.optim.Optimizer | None = None) -> di
         info = {}
         state: dict = {"shardplan": ""} if "shardplan" in metadata else {}
         if state:
-            quietly(dcp.load, state, checkpoint_id=str(path), no_dist=True)
+            quietly(dcp.load, state, checkpoint_id=str(path), planner=LoadPlanner(),
+                    no_dist=True)
             info = json.loads(state["shardplan"])
         targets, finish = load_targets(sharded, entries)
         rank, tp = sharded.group.rank, sharded.group.size

@@ -206,7 +206,7 @@ def export_hf(checkpoint, folder, *, config=None, shard_bytes: int = 5 * 2**30) 
     src, out = Path(checkpoint), Path(folder)
     metadata = read_metadata(src)
     info = {"shardplan": ""}
-    quietly(dcp.load, info, checkpoint_id=str(src), no_dist=True)
+    quietly(dcp.load, info, checkpoint_id=str(src), planner=LoadPlanner(), no_dist=True)
     tied = json.loads(info["shardplan"])["tied"]
     full = {k[len("model."):]: torch.empty(tuple(m.size), dtype=m.properties.dtype)
             for k, m in metadata.items() if k.startswith("model.") and k[len("model."):] not in tied}
