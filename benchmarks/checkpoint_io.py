@@ -10,12 +10,13 @@ Each round, after a barrier: ``save`` (weights and optimizer state), ``load``
 into the same model and optimizer, then ``async_save``: the time until it
 returns (what a training step waits for: the copy of this rank's tensors) and
 until ``wait()`` has committed it. The slower rank's time counts. Files go to a
-temporary directory (the page cache: not disk speed).
+temporary directory (the page cache: not disk speed), removed after each round.
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import tempfile
 import time
@@ -51,6 +52,10 @@ def rank_times(ctx, preset: str, rounds: int, root: str) -> dict[str, list[float
         pending, t0 = timed("async_save returns", checkpoint.async_save, f"{root}/async{r}")
         pending.wait()
         times["async_save committed"].append(time.perf_counter() - t0)
+        dist.barrier()
+        if ctx.rank == 0:  # a round's checkpoints go: the next round writes afresh
+            for name in (f"round{r}", f"async{r}"):
+                shutil.rmtree(f"{root}/{name}")
     return times
 
 

@@ -15,7 +15,9 @@ Face folders go in and out through DCP's HF storage.
     full = gather_full_state_dict(sharded)             # dict on rank 0, None elsewhere
     with parameters_on_meta(): model = MyModel()       # to parallelize, then load into
 
-Every function except ``export_hf`` is collective: call it on every rank.
+Every function except ``export_hf`` is collective: call it on every rank. A save
+at more than one rank needs torch.distributed (real ranks); simulated ranks
+(threads of one process) load.
 
 What torch does not know lives here: ``entries`` (the module's distinct tensors
 with their layout and full shape, tied names), ``chunks`` (a rank's blocked,
