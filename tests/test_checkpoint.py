@@ -269,6 +269,34 @@ def test_simulated_ranks_cannot_save(tmp_path):
     assert not (tmp_path / "ck").exists()
 
 
+def save_trained(ctx, path):
+    s = shard(ctx, "gpt", model("gpt"))
+    opt = OPTIMIZERS["adamw"](s.parameters())
+    step(s, opt, *data("gpt", 0))
+    ck.save(s, path, optimizer=opt, extra={"step": 1})
+
+
+def test_checkpoints_of_before_the_shardplan_entry_load(tmp_path):
+    """A DCP checkpoint without the ``"shardplan"`` entry (tied names, optimizer class),
+    as the save of before wrote: it loads with its optimizer state at tp 2 and exports."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+    SimulatedRanks(1).run(save_trained, tmp_path / "new")
+    dcp_to_torch_save(tmp_path / "new", tmp_path / "all.pt")
+    state = torch.load(tmp_path / "all.pt", weights_only=False)
+    del state["shardplan"]
+    torch.save(state, tmp_path / "all.pt")
+    torch_save_to_dcp(tmp_path / "all.pt", tmp_path / "old")
+    for path in ("new", "old"):
+        weights, optim, _ = SimulatedRanks(2).run(simulated_load, tmp_path / path)[0]
+        if path == "new":
+            want = weights, optim
+    assert_equal_dicts(want[0], weights)
+    assert_equal_dicts(want[1], optim)
+    ck.export_hf(tmp_path / "old", tmp_path / "hf")  # both tied names, as separate tensors
+    exported = safetensors.torch.load_file(next((tmp_path / "hf").glob("*.safetensors")))
+    assert torch.equal(exported["lm_head.weight"], want[0]["lm_head.weight"])
+
+
 # -- full state dicts ----------------------------------------------------------------
 
 def full_round_trip(ctx, name, fresh, full, file):

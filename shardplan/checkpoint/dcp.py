@@ -43,7 +43,7 @@ from .chunks import LoadPlanner, SavePlanner, chunks_of
 from .entries import Entry, entries_of, load_targets, match_names
 
 __all__ = ["save", "async_save", "load", "PendingSave", "OLD_FORMAT", "read_metadata",
-           "commit_dir", "quietly", "world_of"]
+           "shardplan_info", "commit_dir", "quietly", "world_of"]
 
 OLD_FORMAT = "shardplan-checkpoint"  # the retired per-rank safetensors format's index tag
 _ASYNC_GROUPS: dict = {}  # default process group -> the gloo group async saves use
@@ -269,6 +269,15 @@ def read_metadata(path: Path):
     return dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
 
 
+def shardplan_info(path: Path, metadata: dict) -> dict:
+    """The checkpoint's ``"shardplan"`` entry (tied names, optimizer class); {} if none."""
+    if "shardplan" not in metadata:
+        return {}
+    state = {"shardplan": ""}
+    quietly(dcp.load, state, checkpoint_id=str(path), planner=LoadPlanner(), no_dist=True)
+    return json.loads(state["shardplan"])
+
+
 def _fresh_optim_state(optimizer, entries: list[Entry], metadata: dict, path: Path) -> None:
     """Give every parameter the state tensors the checkpoint has for it (zeros, to be
     loaded in place): those shaped like the parameter, like it (a ``DTensor`` under
@@ -290,13 +299,13 @@ def _fresh_optim_state(optimizer, entries: list[Entry], metadata: dict, path: Pa
                 and len(md.size) else torch.zeros(md.size, dtype=dtype)
 
 
-def _check_optimizer(optimizer, info: dict, path: Path) -> None:
-    saved = info.get("optimizer")
-    if saved is None:
+def _check_optimizer(optimizer, metadata: dict, info: dict, path: Path) -> None:
+    if not any(k.startswith("optim.") for k in metadata):
         raise CheckpointError(f"{path} holds no optimizer state", where=str(path),
                               fix="save with checkpoint.save(..., optimizer=opt), or load "
                                   "without optimizer=")
-    if saved != _class_name(optimizer):
+    saved = info.get("optimizer")  # None in checkpoints of before it was recorded
+    if saved not in (None, _class_name(optimizer)):
         raise CheckpointError(f"the checkpoint holds {saved} state, the optimizer is "
                               f"{_class_name(optimizer)}", where=type(optimizer).__name__,
                               fix="load into the same optimizer class it was saved from")
@@ -314,17 +323,12 @@ def load(sharded, path, *, optimizer: torch.optim.Optimizer | None = None) -> di
         match_names({k[len("model."):]: (list(m.size), m.properties.dtype, path)
                      for k, m in metadata.items() if k.startswith("model.")}, entries,
                     str(path), strict=True)
-        info = {}
-        state: dict = {"shardplan": ""} if "shardplan" in metadata else {}
-        if state:
-            quietly(dcp.load, state, checkpoint_id=str(path), planner=LoadPlanner(),
-                    no_dist=True)
-            info = json.loads(state["shardplan"])
+        info = shardplan_info(path, metadata)
         targets, finish = load_targets(sharded, entries)
         rank, tp = sharded.group.rank, sharded.group.size
         state = {"model": {e.fqn: chunks_of(targets[e.fqn], e, rank, tp) for e in entries}}
         if optimizer is not None:
-            _check_optimizer(optimizer, info, path)
+            _check_optimizer(optimizer, metadata, info, path)
             _fresh_optim_state(optimizer, entries, metadata, path)
             state["optim"] = _optim_state(sharded, optimizer, entries)
         if "extra" in metadata:

@@ -33,7 +33,7 @@ from ..errors import CheckpointError
 from ..layouts import Shard
 from ..runtime.consistency import agree
 from .chunks import LoadPlanner, chunks_of
-from .dcp import commit_dir, quietly, read_metadata, save, world_of
+from .dcp import commit_dir, quietly, read_metadata, save, shardplan_info, world_of
 from .entries import Entry, entries_of, load_targets, match_names, set_local
 
 __all__ = ["load_full_state_dict", "gather_full_state_dict", "save_hf", "export_hf"]
@@ -205,9 +205,7 @@ def export_hf(checkpoint, folder, *, config=None, shard_bytes: int = 5 * 2**30) 
     """
     src, out = Path(checkpoint), Path(folder)
     metadata = read_metadata(src)
-    info = {"shardplan": ""}
-    quietly(dcp.load, info, checkpoint_id=str(src), planner=LoadPlanner(), no_dist=True)
-    tied = json.loads(info["shardplan"])["tied"]
+    tied = shardplan_info(src, metadata).get("tied", {})
     full = {k[len("model."):]: torch.empty(tuple(m.size), dtype=m.properties.dtype)
             for k, m in metadata.items() if k.startswith("model.") and k[len("model."):] not in tied}
     quietly(dcp.load, {"model": full}, checkpoint_id=str(src), no_dist=True)
