@@ -1,6 +1,6 @@
 """shardplan: Megatron-LM tensor parallelism for plain PyTorch models, planned from the graph."""
 
-from . import checkpoint # noqa: F401  (shardplan.checkpoint.save_sharded, ...)
+from . import checkpoint # noqa: F401  (shardplan.checkpoint.save, ...)
 from .api import parallelize
 from .runtime.consistency import check_replicas
 from .planner.plan import Plan, plan

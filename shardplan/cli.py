@@ -6,6 +6,7 @@
     shardplan diff plan-tp4.json plan-tp8.json
     shardplan demo                               # train at tp=2 on gloo vs unsharded
     shardplan generate gpt-tiny --tp 2 --prompt "1 2 3" --max-new-tokens 8
+    shardplan export-hf ck/step-00000100 out/ --config hf_folder/   # a checkpoint -> HF
     shardplan bench                              # the benchmarks (source checkout)
 
 TARGET is a bundled preset name (see ``shardplan.models.PRESETS``), an
@@ -82,6 +83,13 @@ def _cmd_verify(args) -> int:
     return 0 if report.ok else 1
 
 
+def _cmd_export_hf(args) -> int:
+    from .checkpoint import export_hf
+    export_hf(args.checkpoint, args.out, config=args.config, shard_bytes=args.shard_mb * 2**20)
+    print(f"wrote {args.out}")
+    return 0
+
+
 def _bench(rest: list[str]) -> int:
     """Runs ``python -m benchmarks`` of the source checkout (benchmarks are not installed)."""
     import subprocess
@@ -148,6 +156,15 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("a", metavar="A.json")
     d.add_argument("b", metavar="B.json")
     d.set_defaults(run=_cmd_diff)
+
+    e = sub.add_parser("export-hf", help="write a checkpoint.save directory as a Hugging Face "
+                                         "folder that from_pretrained loads (one process)")
+    e.add_argument("checkpoint", help="the checkpoint directory (e.g. a --save step-*)")
+    e.add_argument("out", help="the folder to write (replaced atomically)")
+    e.add_argument("--config", help="a Hugging Face folder whose config.json to copy")
+    e.add_argument("--shard-mb", type=_positive("--shard-mb"), default=5120,
+                   help="the largest weight file, in MiB (default: 5120)")
+    e.set_defaults(run=_cmd_export_hf)
 
     sub.add_parser("bench", help="run the benchmarks and update docs/benchmarks.md "
                                  "(arguments go to python -m benchmarks; bench --help lists them)")

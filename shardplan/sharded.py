@@ -222,7 +222,7 @@ class ShardedModule(nn.Module):
         storage (no copy: loading costs one shard, not two)."""
         if self.fsdp_blocks:
             raise CheckpointError("a model sharded with FSDP2 loads only DCP checkpoints",
-                                  fix="use shardplan.checkpoint.load_dcp(sharded, path)")
+                                  fix="use shardplan.checkpoint.load(sharded, path)")
         for fqn, value in tensors.items():
             current = self._tensors[fqn]
             if current.is_meta or current.shape != value.shape:
@@ -261,7 +261,7 @@ class ShardedModule(nn.Module):
                 f"the sharded model was built on meta and {len(missing)} tensors were never "
                 f"loaded (e.g. {missing[0]!r})",
                 fix="load weights first: shardplan.checkpoint.load_full_state_dict(sharded, path) "
-                    "or load_sharded(sharded, checkpoint_dir)")
+                    "or checkpoint.load(sharded, checkpoint_dir)")
 
     def _graph_for(self, args, kwargs) -> tuple[fx.GraphModule, InputShapes]:
         """The rewritten graph of a new way of calling, with the first plan's layouts,

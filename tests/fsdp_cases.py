@@ -16,7 +16,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 import shardplan
-from shardplan.checkpoint import load_dcp, save_dcp
+from shardplan.checkpoint import load, save
 from shardplan.layouts import MeshDim, Shard, spec_of
 from shardplan.parallel_dims import ParallelDims
 from shardplan.train.optim import average_gradients, clip_grad_norm_
@@ -149,15 +149,15 @@ def save_rank(ctx, model, data, path):
     the losses of all the steps."""
     sharded, opt, mine, dims = _setup(model, data, _dims(2, 2, True), True)
     losses = _steps(sharded, opt, data, mine, dims)
-    save_dcp(sharded, path, optimizer=opt)
+    save(sharded, path, optimizer=opt)
     return losses + _steps(sharded, opt, data, mine, dims)
 
 
 def reload_rank(ctx, model, data, path, dp, tp, fsdp, again, steps):
     """Load ``path`` at (dp, tp), save it to ``again``, train on ``steps``: the losses."""
     sharded, opt, mine, dims = _setup(model, data, _dims(dp, tp, fsdp), fsdp)
-    load_dcp(sharded, path, optimizer=opt)
-    save_dcp(sharded, again, optimizer=opt)
+    load(sharded, path, optimizer=opt)
+    save(sharded, again, optimizer=opt)
     return _steps(sharded, opt, steps, mine, dims)
 
 
@@ -166,7 +166,7 @@ def crashed_save_rank(ctx, model, data, path):
     (the error, the losses of training after loading what is at ``path`` now)."""
     from torch.distributed.checkpoint import FileSystemWriter
     sharded, opt, mine, dims = _setup(model, data, _dims(2, 2, True), True)
-    save_dcp(sharded, path, optimizer=opt)
+    save(sharded, path, optimizer=opt)
     _steps(sharded, opt, data[:1], mine, dims)
     write = FileSystemWriter.write_data
     if ctx.rank == 1:
@@ -174,14 +174,14 @@ def crashed_save_rank(ctx, model, data, path):
             raise OSError("disk full (injected)")
         FileSystemWriter.write_data = broken
     try:
-        save_dcp(sharded, path, optimizer=opt)
+        save(sharded, path, optimizer=opt)
         error = None
     except Exception as e:  # every rank must raise
         error = f"{type(e).__name__}: {e}"
     finally:
         FileSystemWriter.write_data = write
     fresh, fresh_opt, _, _ = _setup(model, data, _dims(2, 2, True), True)
-    load_dcp(fresh, path, optimizer=fresh_opt)
+    load(fresh, path, optimizer=fresh_opt)
     return error, _steps(fresh, fresh_opt, data, mine, dims)
 
 

@@ -1,17 +1,18 @@
-"""Checkpoints: sharded save/load and resume, offline resharding, full state dicts, crashes.
+"""Checkpoints (torch DCP): save/load and resume, async saves, resharding on load, full
+state dicts, crashes, errors.
 
 Models: the bundled GPT with vocabulary 97 (padded at every tp > 1, fused QKV
-as blocks, tied embedding/LM head) and the bundled Llama (GQA). Simulated
-ranks build their shards from one capture per model (made once here), so a
-case costs milliseconds. One case runs on real gloo processes (the shared
-``real_ranks`` pool); one kills a forked child process with SIGKILL mid-save.
+as blocks, tied embedding/LM head) and the bundled Llama (GQA). A save at tp > 1
+needs real ranks: one launch on 2 gloo processes (the shared ``real_ranks``
+pool) covers resume, async save and the errors; simulated ranks (threads, built
+from one capture per model) then load what it wrote at other tps. One case kills
+a forked child process with SIGKILL mid-save.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-import json
 import multiprocessing
 import os
 import signal
@@ -24,7 +25,13 @@ import torch
 from planner_cases import batch
 from shardplan import CheckpointError, Shard
 from shardplan import checkpoint as ck
-from shardplan.checkpoint import atomic, entries, files, full as full_sd, resharding
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import HuggingFaceStorageReader, filesystem
+
+from shardplan.checkpoint import dcp as ck_dcp
+from shardplan.checkpoint.chunks import LoadPlanner, chunks_of
+from shardplan.checkpoint.entries import Entry
+from shardplan.planner.shards import local_shape
 from shardplan.planner.capture import capture
 from shardplan.models import build
 from shardplan.ranks import SimulatedRanks
@@ -111,111 +118,86 @@ OPTIMIZERS = {
 }
 
 
-# -- save / load / resume ----------------------------------------------------------
+# -- save / load / resume / async, on real gloo ---------------------------------------
 
-def resume(ctx, name, opt_name, m, fresh, path, k=2, n=2):
-    """Train k steps, save, train n more; a fresh model+optimizer loads and trains the same n."""
-    s = shard(ctx, name, m)
-    opt = OPTIMIZERS[opt_name](s.parameters())
-    for i in range(k):
-        step(s, opt, *data(name, i))
-    ck.save_sharded(s, path, optimizer=opt, extra={"step": k, "rank": ctx.rank, "data": [k, 0]})
-    saved, saved_opt = local_state(s), copy.deepcopy(opt.state_dict())
-    expected = [step(s, opt, *data(name, i)) for i in range(k, k + n)]
-
-    s2 = shard(ctx, name, fresh)
-    opt2 = OPTIMIZERS[opt_name](s2.parameters(), lr=1.0)  # the checkpoint's lr must win
-    extra = ck.load_sharded(s2, path, optimizer=opt2)
-    loaded, loaded_opt = local_state(s2), copy.deepcopy(opt2.state_dict())
-    got = [step(s2, opt2, *data(name, i)) for i in range(k, k + n)]
-    return extra, saved, loaded, saved_opt, loaded_opt, expected, got
-
-
-@pytest.mark.parametrize("name,opt_name", [("gpt", "adamw"), ("llama", "sgd")])
-def test_save_load_resume_is_exact(tmp_path, name, opt_name):
-    path = tmp_path / "ckpt"
-    results = SimulatedRanks(2).run(resume, name, opt_name, model(name), model(name, seed=1), path)
-    for rank, (extra, saved, loaded, saved_opt, loaded_opt, expected, got) in enumerate(results):
-        assert extra == {"step": 2, "rank": rank, "data": [2, 0]}  # each rank's own extra
-        assert_equal_dicts(saved, loaded)
-        assert_same_optimizer(saved_opt, loaded_opt)
-        assert torch.equal(torch.stack(expected), torch.stack(got)), (expected, got)
-
-    assert sorted(os.listdir(path)) == ["index.json", "rank00000-of-00002.safetensors",
-                                        "rank00001-of-00002.safetensors"]
-    assert not (tmp_path / ".ckpt.partial").exists()
-    index = json.loads((path / "index.json").read_text())
-    assert (index["format"], index["version"], index["tp"]) == (ck.FORMAT, ck.VERSION, 2)
-    assert index["extra"] == {"step": 2, "rank": 0, "data": [2, 0]}
-    assert index["plan"]["tp"] == 2
-    assert index["optimizer"]["param_groups"][0]["lr"] == 1e-2
-    with safetensors.safe_open(path / "rank00001-of-00002.safetensors", "pt") as f:
-        keys = set(f.keys())
-    if name == "gpt":
-        wte = index["tensors"]["model/transformer.wte.weight"]
-        assert wte["aliases"] == ["lm_head.weight"] and "model/lm_head.weight" not in keys
-        assert index["model"]["lm_head.weight"] == "model/transformer.wte.weight"
-        assert wte["layout"] == {"type": "shard", "dim": 0, "blocks": None, "padded": 98,
-                                 "replicas": 1}
-        assert (wte["shape"], wte["local_shape"]) == ([97, 32], [49, 32])
-        qkv = index["tensors"]["model/transformer.h.0.attn.c_attn.weight"]["layout"]
-        assert qkv["blocks"] == [32, 32, 32]
-        assert {"optim/transformer.wte.weight/exp_avg", "optim/transformer.wte.weight/step"} <= keys
-    else:
-        assert "optim/layers.0.attention.wk.weight/momentum_buffer" in keys
-
-
-@pytest.mark.real
-@pytest.mark.timeout(120)
-def test_resume_on_real_gloo(real_ranks, tmp_path):
-    results = real_ranks(2).run(real_resume, str(tmp_path))
-    for expected, got, _ in results:
-        assert torch.equal(expected, got), (expected, got)
-    full = results[0][2]
-    reference = model("gpt", seed=5)
-    safetensors.torch.load_model(reference, tmp_path / "full.safetensors")  # strict
-    assert_equal_dicts(reference.state_dict(), full)
-
-
-def real_resume(ctx, path):
-    """On a real rank: resume equivalence over gloo, plus save_full (one capture per worker)."""
-    m, fresh = model("gpt"), model("gpt", seed=1)
-    s = shard(ctx, "gpt", m)
+def real_checkpoints(ctx, path):
+    """On each of 2 real ranks: resume after a save, an async save that training outruns,
+    GQA with SGD, and every error (as its message)."""
+    s = shard(ctx, "gpt", model("gpt"))
     opt = OPTIMIZERS["adamw"](s.parameters())
     for i in range(2):
         step(s, opt, *data("gpt", i))
-    ck.save_sharded(s, f"{path}/ckpt", optimizer=opt, extra={"step": 2})
-    expected = torch.stack([step(s, opt, *data("gpt", i)) for i in (2, 3)])
-    s2 = shard(ctx, "gpt", fresh)
-    opt2 = OPTIMIZERS["adamw"](s2.parameters())
-    assert ck.load_sharded(s2, f"{path}/ckpt", optimizer=opt2) == {"step": 2}
-    got = torch.stack([step(s2, opt2, *data("gpt", i)) for i in (2, 3)])
-    ck.save_full(s2, f"{path}/full.safetensors")
-    return expected, got, ck.gather_full_state_dict(s2)
+    ck.save(s, f"{path}/sync", optimizer=opt, extra={"step": 2, "data": [2, 0]})
+    saved, saved_opt = local_state(s), copy.deepcopy(opt.state_dict())
+    expected = [step(s, opt, *data("gpt", i)) for i in (2, 3)]
+    pending = ck.async_save(s, f"{path}/async", optimizer=opt, extra={"step": 4})
+    staged, staged_opt = local_state(s), copy.deepcopy(opt.state_dict())
+    step(s, opt, *data("gpt", 4))  # changes the tensors while they are written
+    pending.wait()
+
+    s2 = shard(ctx, "gpt", model("gpt", seed=1))
+    opt2 = OPTIMIZERS["adamw"](s2.parameters(), lr=1.0)  # the checkpoint's lr must win
+    extra = ck.load(s2, f"{path}/sync", optimizer=opt2)
+    loaded, loaded_opt = local_state(s2), copy.deepcopy(opt2.state_dict())
+    weights = ck.gather_full_state_dict(s2)
+    got = [step(s2, opt2, *data("gpt", i)) for i in (2, 3)]
+    s3 = shard(ctx, "gpt", model("gpt", seed=1))
+    opt3 = OPTIMIZERS["adamw"](s3.parameters())
+    async_extra = ck.load(s3, f"{path}/async", optimizer=opt3)
+    gpt = (extra, saved, loaded, saved_opt, loaded_opt, expected, got,
+           async_extra, staged, local_state(s3), staged_opt, copy.deepcopy(opt3.state_dict()))
+
+    g = shard(ctx, "llama", model("llama"))
+    gopt = OPTIMIZERS["sgd"](g.parameters())
+    step(g, gopt, *data("llama", 0))
+    ck.save(g, f"{path}/llama", optimizer=gopt)
+    g2 = shard(ctx, "llama", model("llama", seed=1))
+    gopt2 = OPTIMIZERS["sgd"](g2.parameters())
+    ck.load(g2, f"{path}/llama", optimizer=gopt2)
+    llama = (local_state(g), local_state(g2), gopt.state_dict(), gopt2.state_dict())
+
+    ck.save(s, f"{path}/no-opt")
+    return gpt, llama, errors(ctx, s, path), weights
 
 
-# -- resharding ----------------------------------------------------------------------
+def errors(ctx, s, path):
+    """Each mismatch, as the message of the CheckpointError it raised (on every rank)."""
+    out = {}
 
-def train_and_save(ctx, m, path):
-    s = shard(ctx, "gpt", m)
-    opt = OPTIMIZERS["adamw"](s.parameters())
-    step(s, opt, *data("gpt", 0))
-    ck.save_sharded(s, path, optimizer=opt)
-    return continue_run(s, opt)
+    def expect(key, fn, *args, **kwargs):
+        with pytest.raises(CheckpointError) as e:
+            fn(*args, **kwargs)
+        out[key] = str(e.value)
+
+    expect("extra", ck.save, s, f"{path}/x", extra={"rng": torch.get_rng_state()})
+    expect("optimizer class", ck.load, s, f"{path}/sync",
+           optimizer=torch.optim.SGD(s.parameters(), lr=0.1))
+    expect("no optimizer", ck.load, s, f"{path}/no-opt",
+           optimizer=torch.optim.AdamW(s.parameters()))
+    expect("not a checkpoint", ck.load, s, f"{path}/nothing")
+    expect("not ours", ck.save, s, f"{path}/other-dir")
+    expect("old format", ck.load, s, f"{path}/old")
+    expect("shape", ck.load, shard(ctx, "gpt96", model("gpt96")), f"{path}/sync")
+    expect("names", ck.load, shard(ctx, "llama", model("llama")), f"{path}/sync")
+    full = dict(model_cache("gpt").state_dict())
+    del full["lm_head.weight"]  # fine: tied, found under its other name
+    ck.load_full_state_dict(s, full)
+    full["transformer.wpe.weight"] = torch.zeros(31, 32)
+    expect("full shape", ck.load_full_state_dict, s, full)
+    del full["transformer.wpe.weight"]
+    expect("full missing", ck.load_full_state_dict, s, full)
+    return out
 
 
-def load_and_continue(ctx, fresh, path):
-    s = shard(ctx, "gpt", fresh)
+def simulated_load(ctx, path):
+    """Load a checkpoint saved at tp 2 at this tp: (full weights, full optimizer state,
+    logits of a batch)."""
+    s = shard(ctx, "gpt", model("gpt", seed=3))
     opt = OPTIMIZERS["adamw"](s.parameters(), lr=1.0)
-    ck.load_sharded(s, path, optimizer=opt)
-    return continue_run(s, opt)
-
-
-def continue_run(s, opt):
-    """(full weights, logits of the next batch, full optimizer state)."""
+    ck.load(s, path, optimizer=opt)
     with torch.no_grad():
         logits, _ = s(*data("gpt", 1))
-    return ck.gather_full_state_dict(s), logits, full_optimizer_state(s, opt)
+    return ck.gather_full_state_dict(s), full_optimizer_state(s, opt), logits
 
 
 def full_optimizer_state(s, opt):
@@ -231,96 +213,141 @@ def full_optimizer_state(s, opt):
     return out
 
 
-def test_reshard_to_other_tp_gives_same_model(tmp_path):
-    src = tmp_path / "tp2"
-    weights, logits, state = SimulatedRanks(2).run(train_and_save, model("gpt"), src)[0]
-    assert "transformer.wte.weight/exp_avg" in state
-    fresh = model("gpt", seed=1)
+@pytest.mark.real
+@pytest.mark.timeout(180)
+def test_save_load_async_and_errors_on_real_gloo(real_ranks, tmp_path):
+    (tmp_path / "other-dir").mkdir()
+    (tmp_path / "other-dir" / "notes.txt").write_text("mine")
+    (tmp_path / "old").mkdir()  # what the retired format wrote
+    (tmp_path / "old" / "index.json").write_text('{"format": "shardplan-checkpoint", "tp": 2}')
+    results = real_ranks(2).run(real_checkpoints, str(tmp_path))
+    for rank, (gpt, llama, msgs, _) in enumerate(results):
+        (extra, saved, loaded, saved_opt, loaded_opt, expected, got,
+         async_extra, staged, async_loaded, staged_opt, async_opt) = gpt
+        assert extra == {"step": 2, "data": [2, 0]}
+        assert_equal_dicts(saved, loaded)
+        assert_same_optimizer(saved_opt, loaded_opt)
+        assert torch.equal(torch.stack(expected), torch.stack(got)), (rank, expected, got)
+        assert async_extra == {"step": 4}
+        assert_equal_dicts(staged, async_loaded)  # what was staged, not the later step
+        assert_same_optimizer(staged_opt, async_opt)
+        assert any(not torch.equal(staged[k], saved[k]) for k in staged)
+        assert_equal_dicts(llama[0], llama[1])
+        assert_same_optimizer(llama[2], llama[3])
+        assert "extra['rng']" in msgs["extra"] and ".tolist()" in msgs["extra"]
+        assert "AdamW" in msgs["optimizer class"] and "SGD" in msgs["optimizer class"]
+        assert "no optimizer state" in msgs["no optimizer"]
+        assert ".metadata is missing" in msgs["not a checkpoint"]
+        assert "refusing to replace" in msgs["not ours"]
+        assert "retired" in msgs["old format"] and "shardplan-checkpoint" in msgs["old format"]
+        assert "transformer.wte.weight" in msgs["shape"] and "[97, 32]" in msgs["shape"]
+        assert "missing" in msgs["names"] and "unexpected" in msgs["names"]
+        assert "transformer.wpe.weight" in msgs["full shape"] and "[31, 32]" in msgs["full shape"]
+        assert "missing" in msgs["full missing"] and "transformer.wpe.weight" in msgs["full missing"]
+    assert (tmp_path / "other-dir" / "notes.txt").exists()
+    assert not list(tmp_path.glob(".*.partial"))
+    # the plain model reads the model part of the checkpoint, strictly
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    dcp_to_torch_save(tmp_path / "sync", tmp_path / "sync.pt")
+    plain = model("gpt", seed=4)
+    plain.load_state_dict(torch.load(tmp_path / "sync.pt")["model"], strict=True)
+    weights = results[0][3]
+    assert_equal_dicts(weights, plain.state_dict())
+    # resharding on load: the same weights, optimizer state and logits at tp 4 and 1
+    ref = SimulatedRanks(2).run(simulated_load, tmp_path / "sync")[0]
+    assert "transformer.wte.weight/exp_avg" in ref[1]
     for tp in (4, 1):
-        ck.reshard(src, tmp_path / f"tp{tp}", tp)
-        index = json.loads((tmp_path / f"tp{tp}" / "index.json").read_text())
-        padded = {4: 100, 1: None}[tp]
-        assert index["tensors"]["model/transformer.wte.weight"]["layout"]["padded"] == padded
-        w, lg, st = SimulatedRanks(tp).run(load_and_continue, fresh, tmp_path / f"tp{tp}")[0]
-        assert_equal_dicts(weights, w)  # resharding is exact
-        assert_equal_dicts(state, st)  # the optimizer state followed its parameters
-        torch.testing.assert_close(lg, logits, atol=1e-5, rtol=1e-5)
+        w, state, logits = SimulatedRanks(tp).run(simulated_load, tmp_path / "sync")[0]
+        assert_equal_dicts(weights, w)
+        assert_equal_dicts(ref[1], state)
+        torch.testing.assert_close(logits, ref[2], atol=1e-5, rtol=1e-5)
 
-    # and back: tp 2 -> 4 -> 2 reproduces every file's tensors bit for bit
-    ck.reshard(tmp_path / "tp4", tmp_path / "back", 2)
-    for r in range(2):
-        name = ck.rank_file(r, 2)
-        with safetensors.safe_open(src / name, "pt") as f, \
-                safetensors.safe_open(tmp_path / "back" / name, "pt") as g:
-            assert set(f.keys()) == set(g.keys())
-            for k in f.keys():
-                assert torch.equal(f.get_tensor(k), g.get_tensor(k)), k
+
+def test_simulated_ranks_cannot_save(tmp_path):
+    with pytest.raises(CheckpointError, match="needs torch.distributed"):
+        SimulatedRanks(2).run(save, "gpt", model_cache("gpt"), tmp_path / "ck")
+    assert not (tmp_path / "ck").exists()
+
+
+def save_trained(ctx, path):
+    s = shard(ctx, "gpt", model("gpt"))
+    opt = OPTIMIZERS["adamw"](s.parameters())
+    step(s, opt, *data("gpt", 0))
+    ck.save(s, path, optimizer=opt, extra={"step": 1})
+
+
+def test_checkpoints_of_before_the_shardplan_entry_load(tmp_path):
+    """A DCP checkpoint without the ``"shardplan"`` entry (tied names, optimizer class),
+    as the save of before wrote: it loads with its optimizer state at tp 2 and exports."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+    SimulatedRanks(1).run(save_trained, tmp_path / "new")
+    dcp_to_torch_save(tmp_path / "new", tmp_path / "all.pt")
+    state = torch.load(tmp_path / "all.pt", weights_only=False)
+    del state["shardplan"]
+    torch.save(state, tmp_path / "all.pt")
+    torch_save_to_dcp(tmp_path / "all.pt", tmp_path / "old")
+    for path in ("new", "old"):
+        weights, optim, _ = SimulatedRanks(2).run(simulated_load, tmp_path / path)[0]
+        if path == "new":
+            want = weights, optim
+    assert_equal_dicts(want[0], weights)
+    assert_equal_dicts(want[1], optim)
+    ck.export_hf(tmp_path / "old", tmp_path / "hf")  # both tied names, as separate tensors
+    exported = safetensors.torch.load_file(next((tmp_path / "hf").glob("*.safetensors")))
+    assert torch.equal(exported["lm_head.weight"], want[0]["lm_head.weight"])
 
 
 # -- full state dicts ----------------------------------------------------------------
 
-def full_round_trip(ctx, name, fresh, full, files):
+def full_round_trip(ctx, name, fresh, full, file):
     s = shard(ctx, name, fresh)
     ck.load_full_state_dict(s, full)
     from_dict = local_state(s)
     gathered = ck.gather_full_state_dict(s)
-    ck.save_full(s, files[0])
-    from_files = []
-    for file in files:
-        s2 = shard(ctx, name, fresh)
-        ck.load_full_state_dict(s2, file)
-        from_files.append(local_state(s2))
+    s2 = shard(ctx, name, fresh)
+    ck.load_full_state_dict(s2, file)
     with torch.no_grad():
         logits, _ = s(*data(name, 1))
-    return from_dict, gathered, from_files, logits, s.layouts
+    return from_dict, gathered, local_state(s2), logits, s.layouts
 
 
-class SpyOpen:
-    """safe_open that records which tensors were read whole."""
+def spy_reads(monkeypatch) -> list[tuple[str, int]]:
+    """(tensor name, elements) of every read an HF storage reader makes."""
+    reads: list[tuple[str, int]] = []
+    real = HuggingFaceStorageReader._process_read_request
 
-    def __init__(self, real, log, *args, **kwargs):
-        self.f, self.log = real(*args, **kwargs), log
+    def spy(self, f, req, planner):
+        reads.append((req.storage_index.fqn, int(torch.Size(req.lengths).numel())))
+        return real(self, f, req, planner)
 
-    def __enter__(self):
-        self.f.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self.f.__exit__(*exc)
-
-    def get_tensor(self, key):
-        self.log.append(key)
-        return self.f.get_tensor(key)
-
-    def __getattr__(self, name):
-        return getattr(self.f, name)
+    monkeypatch.setattr(HuggingFaceStorageReader, "_process_read_request", spy)
+    return reads
 
 
 @pytest.mark.parametrize("name", ["gpt", "llama"])
 def test_full_state_dict_round_trip(tmp_path, monkeypatch, name):
     original = model(name)
     full = original.state_dict()
-    ours, theirs = tmp_path / "ours.safetensors", tmp_path / "theirs.safetensors"
-    safetensors.torch.save_model(original, theirs)  # tied weights under safetensors' choice of name
-    read_whole: list[str] = []
-    monkeypatch.setattr(files, "safe_open", functools.partial(SpyOpen, files.safe_open, read_whole))
-    results = SimulatedRanks(2).run(full_round_trip, name, model(name, seed=1), full, [ours, theirs])
+    file = tmp_path / "model.safetensors"
+    safetensors.torch.save_model(original, file)  # tied weights under safetensors' choice of name
+    (tmp_path / "other.safetensors").write_bytes(b"not read")  # beside the file given
+    reads = spy_reads(monkeypatch)
+    results = SimulatedRanks(2).run(full_round_trip, name, model(name, seed=1), full, file)
 
     gathered = results[0][1]
     assert results[1][1] is None  # only rank 0 gets it
     assert_equal_dicts(full, gathered)  # bit-identical, every alias key, padding dropped
     model(name, seed=2).load_state_dict(gathered, strict=True)
-    reloaded = model(name, seed=3)
-    safetensors.torch.load_model(reloaded, ours)  # the unsharded class reads save_full's file
-    assert_equal_dicts(full, reloaded.state_dict())
-    with safetensors.safe_open(ours, "pt") as f:
-        assert len(list(f.keys())) == len({id(t) for t in original.state_dict(keep_vars=True).values()})
-
+    for from_dict, _, from_file, _, _ in results:
+        assert_equal_dicts(from_dict, from_file)
     layouts = results[0][4]
-    for from_dict, _, from_files, _, _ in results:
-        for from_file in from_files:
-            assert_equal_dicts(from_dict, from_file)
-    assert not [k for k in read_whole if isinstance(layouts.get(k), Shard)]  # sliced reads only
+    sharded = {k for k, lay in layouts.items() if isinstance(lay, Shard)}
+    read = {}
+    for k, n in reads:
+        read[k] = read.get(k, 0) + n
+    for k in sharded & set(read):  # each rank reads its part: the two add up to the tensor
+        assert read[k] == full[k].numel(), k
+    assert sharded & set(read)
     if name == "gpt":  # padding rows are zero on the last rank
         assert results[1][0]["transformer.wte.weight"][-1].abs().sum() == 0
     with torch.no_grad():
@@ -333,88 +360,38 @@ def test_full_state_dict_round_trip(tmp_path, monkeypatch, name):
 def save(ctx, name, m, path, optimizer=False):
     s = shard(ctx, name, m)
     opt = OPTIMIZERS["adamw"](s.parameters()) if optimizer else None
-    ck.save_sharded(s, path, optimizer=opt)
-
-
-def load_gather_then_save(ctx, name, fresh, path, then):
-    s = shard(ctx, name, fresh)
-    ck.load_sharded(s, path)
-    first = ck.gather_full_state_dict(s)
-    s2 = shard(ctx, name, then)
-    ck.save_sharded(s2, path)
-    ck.load_sharded(s, path)
-    return first, ck.gather_full_state_dict(s)
-
-
-def test_crash_while_writing_a_rank_file_keeps_previous_checkpoint(tmp_path, monkeypatch):
-    path = tmp_path / "ckpt"
-    v1, v2 = model("gpt"), model("gpt", seed=1)
-    SimulatedRanks(2).run(save, "gpt", v1, path, True)
-    written: dict[str, int] = {}
-    real = files.write_tensor
-
-    def failing(f, t):
-        written[f.name] = written.get(f.name, 0) + 1
-        if "rank00001" in f.name and written[f.name] == 3:
-            f.write(b"\0" * 7)  # half a tensor
-            raise OSError(28, "No space left on device (simulated)")
-        real(f, t)
-
-    monkeypatch.setattr(files, "write_tensor", failing)
-    with pytest.raises(CheckpointError, match="rank 1.*No space left"):
-        SimulatedRanks(2).run(save, "gpt", v2, path, True)
-    monkeypatch.undo()
-    assert (tmp_path / ".ckpt.partial").is_dir()  # the failed attempt, never swapped in
-    first, second = SimulatedRanks(2).run(load_gather_then_save, "gpt", model("gpt", seed=2),
-                                          path, v2)[0]
-    assert_equal_dicts(v1.state_dict(), first)  # the previous checkpoint loads
-    assert_equal_dicts(v2.state_dict(), second)  # the next save replaces it
-    assert not (tmp_path / ".ckpt.partial").exists()
-
-
-def test_directory_swap_without_renameat2(tmp_path, monkeypatch):
-    """Where an atomic exchange is unsupported: two renames, and loads find the old one between."""
-    monkeypatch.setattr(atomic, "swap_paths", lambda a, b: False)
-    path, v1, v2 = tmp_path / "ckpt", model("gpt"), model("gpt", seed=1)
-    SimulatedRanks(1).run(save, "gpt", v1, path)
-    SimulatedRanks(1).run(save, "gpt", v2, path)
-    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
-    os.rename(path, tmp_path / ".ckpt.old")  # died between the two renames
-    first, second = SimulatedRanks(1).run(load_gather_then_save, "gpt", v1, path, v1)[0]
-    assert_equal_dicts(v2.state_dict(), first)
-    assert_equal_dicts(v1.state_dict(), second)
-    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
-
-
-def kill_mid_save(path):
-    """In a child process: save, change the weights, save again; SIGKILL inside rank 1's file."""
-    v1 = model("gpt")
-    SimulatedRanks(2).run(save, "gpt", v1, path, True)
-    v2 = model("gpt", seed=1)
-    real = files.write_tensor
-    count = {}
-
-    def die(f, t):
-        count[f.name] = count.get(f.name, 0) + 1
-        if "rank00001" in f.name and count[f.name] == 3:
-            f.write(b"\0" * 5)
-            f.flush()
-            os.kill(os.getpid(), signal.SIGKILL)
-        real(f, t)
-
-    files.write_tensor = die
-    SimulatedRanks(2).run(save, "gpt", v2, path, True)
+    if opt is not None:
+        step(s, opt, *data(name, 0))
+    ck.save(s, path, optimizer=opt)
 
 
 def load_full(ctx, name, fresh, path):
     s = shard(ctx, name, fresh)
-    ck.load_sharded(s, path)
+    ck.load(s, path)
     return ck.gather_full_state_dict(s)
+
+
+def kill_mid_save(path):
+    """In a child process: save, then save other weights, SIGKILLed inside a data file."""
+    SimulatedRanks(1).run(save, "gpt", model("gpt"), path)
+    real, count = filesystem._write_item, [0]
+
+    def die(transforms, stream, data, item, *args):
+        count[0] += 1
+        if count[0] == 3:
+            stream.write(b"\0" * 5)
+            stream.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(transforms, stream, data, item, *args)
+
+    filesystem._write_item = die
+    SimulatedRanks(1).run(save, "gpt", model("gpt", seed=1), path)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forks a child process")
 def test_killed_process_mid_save_keeps_previous_checkpoint(tmp_path):
-    """A real process death (SIGKILL) halfway through a rank's file.
+    """A real process death (SIGKILL) halfway through a data file: the torn save is never
+    loaded, the previous checkpoint is, and the next save replaces it.
 
     The child is forked so it inherits the cached capture (a fresh interpreter
     would spend seconds importing and exporting); it does no heavy compute.
@@ -427,82 +404,39 @@ def test_killed_process_mid_save_keeps_previous_checkpoint(tmp_path):
         child.kill()
         pytest.fail("the child saving the checkpoint hung")
     assert child.exitcode == -signal.SIGKILL
-    assert (tmp_path / ".ckpt.partial" / ck.rank_file(1, 2)).is_file()  # the torn file
-    got = SimulatedRanks(2).run(load_full, "gpt", model("gpt", seed=1), path)[0]
+    torn = tmp_path / ".ckpt.partial"
+    assert list(torn.glob("*.distcp")) and not (torn / ".metadata").exists()
+    got = SimulatedRanks(2).run(load_full, "gpt", model("gpt", seed=2), path)[0]
     assert_equal_dicts(model("gpt").state_dict(), got)
+    SimulatedRanks(1).run(save, "gpt", model("gpt", seed=1), path)
+    got = SimulatedRanks(2).run(load_full, "gpt", model("gpt", seed=2), path)[0]
+    assert_equal_dicts(model("gpt", seed=1).state_dict(), got)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
 
 
-# -- errors --------------------------------------------------------------------------
-
-def errors_tp2(ctx, path, other):
-    """Each mismatch, as the message of the CheckpointError it raised."""
-    out = {}
-
-    def expect(key, fn, *args, **kwargs):
-        with pytest.raises(CheckpointError) as e:
-            fn(*args, **kwargs)
-        out[key] = str(e.value)
-
-    s = shard(ctx, "gpt", model_cache("gpt"))
-    expect("extra", ck.save_sharded, s, path / "x", extra={"rng": torch.get_rng_state()})
-    expect("optimizer class", ck.load_sharded, s, path / "gpt",
-           optimizer=torch.optim.SGD(s.parameters(), lr=0.1))
-    expect("no optimizer", ck.load_sharded, s, path / "gpt-no-opt",
-           optimizer=torch.optim.AdamW(s.parameters()))
-    expect("not a checkpoint", ck.load_sharded, s, path / "nothing")
-    expect("not ours", ck.save_sharded, s, path / "other-dir")
-    expect("shape", ck.load_sharded, shard(ctx, "gpt96", other["gpt96"]), path / "gpt")
-    expect("names", ck.load_sharded, shard(ctx, "llama", other["llama"]), path / "gpt")
-    full = dict(model_cache("gpt").state_dict())
-    del full["lm_head.weight"]  # fine: tied, found under its other name
-    ck.load_full_state_dict(s, full)
-    full["transformer.wpe.weight"] = torch.zeros(31, 32)
-    expect("full shape", ck.load_full_state_dict, s, full)
-    del full["transformer.wpe.weight"]
-    expect("full missing", ck.load_full_state_dict, s, full)
-    expect("corrupt", ck.load_sharded, s, path / "corrupt")
-    return out
-
-
-def test_mismatches_raise_checkpoint_errors(tmp_path):
-    SimulatedRanks(2).run(resume_save, tmp_path)
-    (tmp_path / "other-dir").mkdir()
-    (tmp_path / "other-dir" / "notes.txt").write_text("mine")
-    corrupt = tmp_path / "corrupt"
-    ck.reshard(tmp_path / "gpt", corrupt, 2)
-    f = corrupt / ck.rank_file(1, 2)
-    f.write_bytes(f.read_bytes()[:100])
-    other = {"gpt96": model("gpt96"), "llama": model("llama")}
-    msgs = SimulatedRanks(2).run(errors_tp2, tmp_path, other)
-    m = msgs[0]
-    assert "extra['rng']" in m["extra"] and ".tolist()" in m["extra"]
-    assert "AdamW" in m["optimizer class"] and "SGD" in m["optimizer class"]
-    assert "no optimizer state" in m["no optimizer"]
-    assert "index.json" in m["not a checkpoint"]
-    assert "refusing to replace" in m["not ours"] and (tmp_path / "other-dir" / "notes.txt").exists()
-    assert "transformer.wte.weight" in m["shape"] and "[97, 32]" in m["shape"]
-    assert "missing" in m["names"] and "unexpected" in m["names"]
-    assert "transformer.wpe.weight" in m["full shape"] and "[31, 32]" in m["full shape"]
-    assert "missing" in m["full missing"] and "transformer.wpe.weight" in m["full missing"]
-    assert msgs[1]["corrupt"].count(ck.rank_file(1, 2)) >= 1  # the rank that read it
-    assert ck.rank_file(1, 2) in m["corrupt"]  # its peers quote that rank's error
-
-    with pytest.raises(CheckpointError, match=r"tp=2.*tp=4(.|\n)*reshard"):
-        SimulatedRanks(4).run(load_full, "gpt", model_cache("gpt"), tmp_path / "gpt")
-    with pytest.raises(CheckpointError, match=r"c_attn.*tp=3: its blocks 32\+32\+32"):
-        ck.reshard(tmp_path / "gpt", tmp_path / "tp3", 3)
-    assert not (tmp_path / "tp3").exists()
-
-
-def resume_save(ctx, path):
-    s = shard(ctx, "gpt", model_cache("gpt"))
-    opt = OPTIMIZERS["adamw"](s.parameters())
-    step(s, opt, *data("gpt", 0))
-    ck.save_sharded(s, path / "gpt", optimizer=opt)
-    ck.save_sharded(s, path / "gpt-no-opt")
+def test_directory_swap_without_renameat2(tmp_path, monkeypatch):
+    """Where an atomic exchange is unsupported: two renames, the previous one kept between."""
+    monkeypatch.setattr(ck_dcp, "_swap", lambda a, b: False)
+    path, v1, v2 = tmp_path / "ckpt", model("gpt"), model("gpt", seed=1)
+    SimulatedRanks(1).run(save, "gpt", v1, path)
+    SimulatedRanks(1).run(save, "gpt", v2, path)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    got = SimulatedRanks(1).run(load_full, "gpt", v1, path)[0]
+    assert_equal_dicts(v2.state_dict(), got)
 
 
 # -- layouts, without a model -------------------------------------------------------------
+
+def read_rank(folder, lay, shape, rank: int, tp: int) -> torch.Tensor:
+    """Rank ``rank``'s part of tensor ``w`` of the safetensors file in ``folder``, as the
+    chunks of its layout read through DCP's HF reader."""
+    target = torch.zeros(local_shape(shape, lay, tp))
+    entry = Entry("w", [], target, lay, tuple(shape))
+    reader = HuggingFaceStorageReader(str(folder))
+    ck_dcp.quietly(dcp.load, {"w": chunks_of(target, entry, rank, tp)}, storage_reader=reader,
+                   planner=LoadPlanner(), no_dist=True)
+    return target
+
 
 LAYOUTS = [Shard(0), Shard(1), Shard(0, (8, 4, 4)), Shard(0, None, 12), Shard(0, None, 20),
            Shard(0, None, None, 2), Shard(0, (8, 4, 4), None, 2),  # replicas: K/V heads < tp
@@ -513,27 +447,12 @@ CASES = [(lay, tp) for lay in LAYOUTS for tp in (1, 2, 4)
 
 @pytest.mark.parametrize("lay,tp", CASES, ids=lambda x: str(x))
 def test_sliced_reads_equal_layout_slice(tmp_path, lay, tp):
-    """What load_full_state_dict reads from a file by ranges is exactly ``Shard.slice``."""
+    """What a rank reads of a file by its chunks is exactly ``Shard.slice`` (padding zero)."""
     full = torch.randn(16 if not lay.padded else 10, 6) if lay.dim == 0 else torch.randn(6, 16)
-    file = tmp_path / "t.safetensors"
-    safetensors.torch.save_file({"w": full}, file)
-    entry = entries.Entry("w", [], torch.empty(0), lay, tuple(full.shape))
-    with safetensors.safe_open(file, "pt") as f:
-        for rank in range(tp):
-            assert torch.equal(full_sd._read_local(f, "w", entry, rank, tp), lay.slice(full, rank, tp))
-
-
-def test_relayout_for_another_tp():
-    assert resharding._relayout(Shard(0, None, 98), [97, 32], 4, 2, "k") == Shard(0, None, 100)
-    assert resharding._relayout(Shard(0, None, 98), [97, 32], 1, 2, "k") == Shard(0)
-    assert resharding._relayout(Shard(0, (32, 32, 32)), [96, 32], 4, 2, "k") == Shard(0, (32, 32, 32))
-    with pytest.raises(CheckpointError, match="blocks 32\\+32\\+32 do not divide by 3"):
-        resharding._relayout(Shard(0, (32, 32, 32)), [96, 32], 3, 2, "k")
-    two = Shard(0, None, None, 2)  # 2 K/V heads held by pairs of ranks at tp=4
-    assert resharding._relayout(two, [32, 8], 8, 4, "k") == Shard(0, None, None, 4)
-    assert resharding._relayout(two, [32, 8], 2, 4, "k") == Shard(0)
-    with pytest.raises(CheckpointError, match="2 parts"):
-        resharding._relayout(two, [32, 8], 3, 4, "k")
+    safetensors.torch.save_file({"w": full}, tmp_path / "t.safetensors")
+    for rank in range(tp):
+        assert torch.equal(read_rank(tmp_path, lay, full.shape, rank, tp),
+                           lay.slice(full, rank, tp)), rank
 
 
 def test_meta_model_loads_its_shards_from_a_full_file_and_runs(tmp_path):

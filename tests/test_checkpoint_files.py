@@ -241,15 +241,12 @@ def test_load_pretrained_folder_matches_hf(kind, saved, tmp_path):
 @pytest.mark.parametrize("tp, replicas", [(2, (1, 2, 2)), (4, (1, 4, 4)), (4, (1, 2, 2))])
 def test_blocks_with_their_own_replica_counts_load_and_chunk(tmp_path, tp, replicas):
     """A fused multi-query QKV (``S(0|8+4+4|x1+r+r)``): each rank reads its rows from a
-    full safetensors file, and the DCP chunks it writes sit where its rows are in the full
-    tensor, the rows counted by hand: query rows ``2r, 2r + 1`` at tp 4 (``4r..4r+3`` at
-    tp 2), K/V rows split among ``tp / r`` groups."""
-    from safetensors import safe_open
-
-    from shardplan.checkpoint.dcp import _segments
-    from shardplan.checkpoint.entries import Entry
-    from shardplan.checkpoint.full import _read_local
+    full safetensors file through its DCP chunks, and the chunks sit where its rows are in
+    the full tensor, the rows counted by hand: query rows ``2r, 2r + 1`` at tp 4
+    (``4r..4r+3`` at tp 2), K/V rows split among ``tp / r`` groups."""
+    from shardplan.checkpoint.chunks import segments
     from shardplan.layouts import Shard
+    from test_checkpoint import read_rank
 
     full = torch.arange(16 * 3, dtype=torch.float32).view(16, 3)
     safetensors.torch.save_file({"w": full}, tmp_path / "m.safetensors")
@@ -260,10 +257,92 @@ def test_blocks_with_their_own_replica_counts_load_and_chunk(tmp_path, tp, repli
         g = rank // replicas[1]
         rows = [*range(rank * q, rank * q + q), *range(8 + g * kv, 8 + g * kv + kv),
                 *range(12 + g * kv, 12 + g * kv + kv)]
-        entry = Entry("w", [], torch.empty(len(rows), 3), lay, (16, 3))
-        with safe_open(tmp_path / "m.safetensors", "pt") as f:
-            assert torch.equal(_read_local(f, "w", entry, rank, tp), full[rows]), rank
+        assert torch.equal(read_rank(tmp_path, lay, (16, 3), rank, tp), full[rows]), rank
         local = full[rows]
-        for at, start, n in _segments(lay, 16, rank, tp):
+        for at, start, n in segments(lay, 16, rank, tp):
             assert torch.equal(local[at:at + n], full[start:start + n]), rank
-        assert sum(n for _, _, n in _segments(lay, 16, rank, tp)) == len(rows)
+        assert sum(n for _, _, n in segments(lay, 16, rank, tp)) == len(rows)
+
+
+# -- Hugging Face folders in and out, on real gloo ---------------------------------------
+
+def hf_rank(ctx, folders: dict, out: str):
+    """Per kind: ``load_pretrained`` of a several-file folder at tp 2 (its logits, the
+    elements it read per tensor, its local shapes), then ``save_hf`` into ``out/kind``."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    reads: dict[str, int] = {}
+    real = HuggingFaceStorageReader._process_read_request
+
+    def spy(self, f, req, planner):
+        name = req.storage_index.fqn
+        reads[name] = reads.get(name, 0) + int(torch.Size(req.lengths).numel())
+        return real(self, f, req, planner)
+
+    HuggingFaceStorageReader._process_read_request = spy
+    ids = torch.tensor([[5, 6, 7, 8]])
+    got = {}
+    try:
+        for kind, folder in folders.items():
+            reads.clear()
+            sharded = ck.load_pretrained(folder, group=ctx.group, example_inputs={"input_ids": ids})
+            with torch.no_grad():
+                logits = sharded(input_ids=ids).logits
+            shapes = {k: tuple(t.shape) for k, t in sharded.state_dict().items()}
+            ck.save_hf(sharded, f"{out}/{kind}", shard_bytes=40_000)
+            ck.save(sharded, f"{out}/{kind}-ck")
+            got[kind] = logits, dict(reads), shapes
+    finally:
+        HuggingFaceStorageReader._process_read_request = real
+    return got
+
+
+@pytest.mark.real
+@pytest.mark.timeout(240)
+def test_hf_folders_load_by_slices_and_export_on_real_gloo(real_ranks, tmp_path):
+    """GPT-2 and Llama saved by save_pretrained in 3+ files: at tp 2 each rank reads only
+    its share of each sharded tensor and computes HF's logits; save_hf writes a folder
+    (several files and their index) that from_pretrained loads to the same weights, and
+    so does ``shardplan export-hf`` from a checkpoint."""
+    import transformers
+    models = {"gpt2": model(), "llama": hf_cases.build("llama")}
+    folders = {}
+    for kind, m in models.items():
+        folders[kind] = str(tmp_path / kind)
+        m.save_pretrained(folders[kind], max_shard_size="20KB")
+        assert len(list((tmp_path / kind).glob("model-*.safetensors"))) >= 3
+    results = real_ranks(2).run(hf_rank, folders, str(tmp_path / "out"))
+    ids = torch.tensor([[5, 6, 7, 8]])
+    for kind, m in models.items():
+        with torch.no_grad():
+            want = m(input_ids=ids).logits
+        sizes = {k: v.numel() for k, v in m.state_dict().items()}
+        split = [k for k, shape in results[0][kind][2].items()  # sharded, as stored
+                 if k in results[0][kind][1] and torch.Size(shape).numel() < sizes[k]]
+        assert len(split) >= 4, split  # it was sharded
+        for rank, got in enumerate(results):
+            logits, reads, _ = got[kind]
+            torch.testing.assert_close(logits, want, atol=1e-5, rtol=1e-5)
+            for k in split:
+                local = torch.Size(got[kind][2][k]).numel()
+                assert reads[k] <= local < sizes[k], (kind, rank, k, reads[k], sizes[k])
+        for k in split:  # between them, the ranks read each tensor once
+            assert sum(r[kind][1][k] for r in results) == sizes[k], (kind, k)
+        out = tmp_path / "out" / kind
+        assert (out / "model.safetensors.index.json").is_file()
+        assert len(list(out.glob("*.safetensors"))) >= 3
+        back = type(m).from_pretrained(out).eval()
+        assert isinstance(back, transformers.PreTrainedModel)
+        mine, theirs = back.state_dict(), m.state_dict()
+        assert mine.keys() == theirs.keys()
+        for k in theirs:
+            assert torch.equal(mine[k], theirs[k]), (kind, k)
+        with torch.no_grad():
+            assert torch.equal(back(input_ids=ids).logits, want)
+    # the command line: a checkpoint -> an HF folder, the config copied from the original
+    from shardplan import cli
+    out = tmp_path / "cli-llama"
+    assert cli.main(["export-hf", str(tmp_path / "out" / "llama-ck"), str(out),
+                     "--config", folders["llama"]]) == 0
+    back = type(models["llama"]).from_pretrained(out).eval()
+    for k, v in models["llama"].state_dict().items():
+        assert torch.equal(back.state_dict()[k], v), k

@@ -176,12 +176,21 @@ def _torchrun(tmp_path, *extra: str) -> dict[int, tuple[str, str, str]]:
     return steps, proc.stdout
 
 
+def _saved(step_dir: Path) -> dict:
+    """A checkpoint as one dict (``dcp_to_torch_save``): model, optimizer state, extra."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    file = step_dir.parent / f"{step_dir.name}.pt"
+    dcp_to_torch_save(step_dir, file)
+    return torch.load(file, weights_only=False)
+
+
 def _weights(step_dir: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a sharded checkpoint (rank*.safetensors: model and optimizer state)."""
-    from safetensors.torch import load_file
-    files = sorted(step_dir.glob("rank*.safetensors"))
-    assert len(files) == 2, sorted(p.name for p in step_dir.iterdir())  # one file per tp rank
-    return {f"{f.name}:{k}": v for f in files for k, v in load_file(str(f)).items()}
+    """Every tensor of a checkpoint (model and optimizer state), by its full name."""
+    saved = _saved(step_dir)
+    out = {f"model/{k}": v for k, v in saved["model"].items()}
+    for fqn, state in saved["optim"]["state"].items():
+        out.update({f"optim/{fqn}/{k}": v for k, v in state.items()})
+    return out
 
 
 @pytest.mark.real
@@ -202,9 +211,10 @@ def test_torchrun_resume_continues_the_uninterrupted_run(tmp_path):
     assert len(lines) == 4 and "tok/s" in lines[0], out
     assert "dp_replicate 1 x dp_shard 1 x tp 2" in out
     assert sorted(p.name for p in full_dir.iterdir()) == ["step-00000002", "step-00000004"]
-    extra = json.loads((full_dir / "step-00000004" / "index.json").read_text())["extra"]
+    extra = json.loads(_saved(full_dir / "step-00000004")["extra"])
     assert extra["step"] == 4 and extra["data"]["tokens"] == (tmp_path / "text.txt").stat().st_size
-    assert set(extra["rng"]) == {"replicated", "model-parallel"}
+    assert len(extra["rng"]) == 2  # each rank's streams
+    assert all(set(rng) == {"replicated", "model-parallel"} for rng in extra["rng"])
     ck = full_dir / "step-00000002"
     assert ck.is_dir(), sorted(p.name for p in full_dir.iterdir())
     resumed, out = _torchrun(tmp_path, "--resume", str(ck), "--save", str(resumed_dir))
@@ -214,7 +224,7 @@ def test_torchrun_resume_continues_the_uninterrupted_run(tmp_path):
     # the printed losses move from step to step (the comparison above is not of constants)
     assert full[3][0] != full[4][0]
     want, got = _weights(full_dir / "step-00000004"), _weights(resumed_dir / "step-00000004")
-    assert want and sorted(want) == sorted(got)
+    assert want and sorted(want) == sorted(got) and "optim/transformer.wte.weight/exp_avg" in want
     for k in want:
         assert torch.equal(want[k], got[k]), k
 

@@ -282,6 +282,24 @@ def test_resume_continues_exactly(real_ranks, tmp_path):
 
 @pytest.mark.real
 @pytest.mark.timeout(120)
+def test_async_save_resumes_exactly(real_ranks, tmp_path):
+    """``--async-save`` every 2 steps (each written while the next steps run): resumed
+    from step 2, the losses are the uninterrupted run's bit for bit; every checkpoint is
+    complete and no staging directory is left."""
+    cfg = dict(BASE, steps=6, dropout=0.1)
+    first = dict(cfg, save=str(tmp_path / "ck"), save_every=2, async_save=True)
+    second = dict(cfg, resume=str(tmp_path / "ck" / "step-00000002"))
+    runs = real_ranks(4).run(resume_rank, first, second)
+    full, resumed = runs[0]
+    assert len(full) == 6 and resumed == full[2:], (resumed, full[2:])
+    assert all(r == runs[0] for r in runs)
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [
+        "step-00000002", "step-00000004", "step-00000006"]
+    assert all((p / ".metadata").is_file() for p in (tmp_path / "ck").iterdir())
+
+
+@pytest.mark.real
+@pytest.mark.timeout(120)
 def test_bf16_autocast_is_close_to_fp32(real_ranks):
     cfg = dict(BASE, steps=8, bf16=True)
     runs = real_ranks(4).run(train_rank, cfg)

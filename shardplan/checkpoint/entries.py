@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ..errors import CheckpointError
 from ..layouts import MeshDim, Partial, Replicate, Shard, spec_of
@@ -22,10 +23,6 @@ class Entry:
     tensor: torch.Tensor  # this rank's part
     layout: Replicate | Shard
     shape: tuple[int, ...]  # the full, unpadded shape
-
-    @property
-    def key(self) -> str:
-        return f"model/{self.fqn}"
 
 
 def entries_of(sharded) -> list[Entry]:
@@ -61,19 +58,6 @@ def _normal_dim(lay, ndim: int, fqn: str):
     return lay
 
 
-def same_layout(a, b, shape, tp: int) -> bool:
-    """Whether two layouts hold the same part of a tensor on every rank."""
-    def norm(lay):
-        if not isinstance(lay, Shard):
-            return ("R",)
-        padded = None if lay.padded in (None, shape[lay.dim]) else lay.padded
-        blocks = lay.blocks if lay.blocks and len(lay.blocks) > 1 else None
-        if tp == lay.replicas and padded is None:  # every rank holds all of it
-            return ("R",)
-        return ("S", lay.dim, blocks, padded, lay.replicas)
-    return norm(a) == norm(b)
-
-
 def set_local(sharded, values: dict[str, torch.Tensor], entries: list[Entry]) -> None:
     """Copy local tensors into the module: in place, or by replacement where still on meta."""
     by_fqn = {e.fqn: e for e in entries}
@@ -87,3 +71,54 @@ def set_local(sharded, values: dict[str, torch.Tensor], entries: list[Entry]) ->
                 t.copy_(v)
     if meta:
         sharded.load_local_(meta)
+
+
+def load_targets(sharded, entries: list[Entry]):
+    """(fqn -> the tensor to load each entry's chunks into, a function to call after).
+
+    The targets are the module's own tensors (their padding zeroed) or, for tensors
+    still on meta, new zero tensors that ``finish()`` then hands to the module."""
+    targets, fresh = {}, {}
+    with torch.no_grad():
+        for e in entries:
+            t = e.tensor
+            if t.is_meta:
+                t = fresh[e.fqn] = torch.zeros(t.shape, dtype=t.dtype)
+            elif isinstance(e.layout, Shard) and e.layout.padded:  # rows in no chunk
+                (t.to_local() if isinstance(t, DTensor) else t).zero_()
+            targets[e.fqn] = t
+    return targets, lambda: set_local(sharded, fresh, entries) if fresh else None
+
+
+def match_names(found: dict[str, tuple], entries: list[Entry], where: str, strict: bool) -> dict:
+    """Each entry's name in ``found`` (name -> (shape, dtype, file)); raises on missing or
+    unexpected names, other shapes, dtypes it cannot be cast from."""
+    chosen, missing = {}, []
+    for e in entries:
+        chosen[e.fqn] = next((n for n in [e.fqn, *e.aliases] if n in found), None)
+        if chosen[e.fqn] is None:
+            missing.append(e.fqn)
+    names = {n for e in entries for n in [e.fqn, *e.aliases]}
+    unexpected = sorted(set(found) - names) if strict else []
+    if missing or unexpected:
+        parts = [f"missing {missing[:4]}" if missing else "",
+                 f"unexpected {unexpected[:4]}" if unexpected else ""]
+        at = f" (e.g. {unexpected[0]} in {found[unexpected[0]][2]})" if unexpected else ""
+        raise CheckpointError(f"{where} does not match the model: "
+                              + "; ".join(p for p in parts if p) + at, where=where,
+                              fix="pass the full state dict of the same model class and "
+                                  "configuration (strict=False ignores extra names)")
+    for e in entries:
+        name = chosen[e.fqn]
+        shape, dtype, file = found[name]
+        if shape != list(e.shape):
+            raise CheckpointError(f"{name} has shape {shape} in {file}, the model "
+                                  f"{list(e.shape)}", where=f"{name} in {file}",
+                                  fix="load weights of the same model configuration")
+        if dtype.is_floating_point != e.tensor.dtype.is_floating_point:
+            raise CheckpointError(f"{name} is {dtype} in {file}; the model holds it as "
+                                  f"{e.tensor.dtype}, which it cannot be cast to",
+                                  where=f"{name} in {file}",
+                                  fix="load weights of the same model (floating point weights "
+                                      "go into floating point tensors)")
+    return chosen

@@ -6,7 +6,7 @@ import torch
 
 from ..errors import CheckpointError
 from .empty import parameters_on_meta
-from .full import load_full_state_dict
+from .hf import load_full_state_dict
 
 
 def load_pretrained(path, *, group=None, weights=None, example_inputs=None):

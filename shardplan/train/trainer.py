@@ -45,15 +45,16 @@ masks of the first pass. ``--compile [BACKEND]``: ``parallelize(compile=...)``,
 the sharded graph (or each block, with --recompute or --fsdp) under
 ``torch.compile`` with ``fullgraph=True`` (default backend inductor).
 
-**Checkpoints.** ``--save DIR`` writes ``DIR/step-00000050`` (a
-``shardplan.checkpoint`` directory: shards and optimizer state per TP rank)
-every ``--save-every`` steps and at the end; data-parallel replica 0 writes,
-the others hold the same values. With ``--fsdp`` it is a torch DCP checkpoint
-in the unsharded model's key space (``checkpoint.save_dcp``), every rank
-writing its part. ``extra`` carries the step, the data
-position and each rank's RNG streams, so ``--resume DIR`` (the newest
-``step-*`` in it, or a checkpoint directory itself) continues exactly: the
-next losses equal those of an uninterrupted run.
+**Checkpoints.** ``--save DIR`` writes ``DIR/step-00000050`` (a torch DCP
+checkpoint in the unsharded model's key space, ``checkpoint.save``: every rank
+writes its part, one writer per replicated chunk) every ``--save-every`` steps
+and at the end; ``--async-save`` writes it in the background
+(``checkpoint.async_save``) while the next steps run, the next save waiting
+for it. ``extra`` carries the step, the data position and each rank's RNG
+streams, so ``--resume DIR`` (the newest ``step-*`` in it, or a checkpoint
+directory itself) continues exactly: the next losses equal those of an
+uninterrupted run. A checkpoint loads at any other mesh (the streams then
+start afresh).
 
 ``train(config)`` is the same thing as a function (losses per step, on every
 rank); call it inside an initialized process group (e.g. a ``RealRanks``
@@ -137,6 +138,8 @@ class TrainConfig:
                                     "stream)", metavar="FILE")
     save: str | None = option(None, "checkpoint directory (step-* inside)", metavar="DIR")
     save_every: int = option(0, "steps between checkpoints (0: only at the end)")
+    async_save: bool = option(False, "write each checkpoint in the background while training "
+                                     "goes on (the next save waits for it)")
     resume: str | None = option(None, "a --save directory (its newest step-*) or a checkpoint "
                                       "directory", metavar="DIR")
     check_replicas_every: int = option(100, "steps between replica checks (0: only at the end)")
@@ -151,8 +154,7 @@ class TrainConfig:
                                             "regions on 1/tp of the sequence (the sequence "
                                             "length must divide by tp)")
     fsdp: bool = option(False, "shard parameters, gradients and optimizer state over the "
-                        "dp-shard ranks with FSDP2, per block (checkpoints are then "
-                        "torch DCP)")
+                        "dp-shard ranks with FSDP2, per block")
     compile: str | None = option(None, "torch.compile the sharded graph (fullgraph; per block "
                                        "with --recompute or --fsdp) with this backend; bare "
                                        "--compile: "
@@ -488,6 +490,7 @@ class Trainer:
         self.scaler = TPGradScaler(self.device.type, enabled=config.fp16)
         self.step = 0  # optimizer steps taken
         self.history: list[dict] = []
+        self.pending: checkpoint.PendingSave | None = None  # an --async-save under way
         if config.resume:
             self.resume(config.resume)
 
@@ -544,6 +547,7 @@ class Trainer:
             if c.save and ((c.save_every and self.step % c.save_every == 0)
                            or self.step == c.steps):
                 self.save(Path(c.save) / f"step-{self.step:08d}")
+        self.wait_for_save()
         self.check_replicas()
         return losses
 
@@ -592,31 +596,37 @@ class Trainer:
                            "steps": c.steps, "bf16": c.bf16, "fp16": c.fp16}}
 
     def save(self, path: Path) -> None:
-        """Collective over the world; data-parallel replica 0 writes (with FSDP2: every
-        rank, a DCP checkpoint, each rank's random streams in ``extra``)."""
+        """Collective over the world: every rank writes its part, each rank's random
+        streams in ``extra``. With ``--async-save`` the previous save is waited for and
+        this one only started (``wait_for_save`` finishes it)."""
         t0 = time.perf_counter()
-        if self.config.fsdp:
-            extra = self.extra()
-            extra["rng"] = [None] * self.world
-            dist.all_gather_object(extra["rng"], _rng_json(self.tracker.get_states()))
-            checkpoint.save_dcp(self.sharded, path, optimizer=self.optimizer, extra=extra)
-        elif self.dp_rank == 0:
-            checkpoint.save_sharded(self.sharded, path, optimizer=self.optimizer,
-                                    extra=self.extra())
-        dist.barrier()
+        self.wait_for_save()
+        extra = self.extra()
+        extra["rng"] = [None] * self.world
+        dist.all_gather_object(extra["rng"], _rng_json(self.tracker.get_states()))
+        if self.config.async_save:
+            self.pending = checkpoint.async_save(self.sharded, path, optimizer=self.optimizer,
+                                                 extra=extra)
+        else:
+            checkpoint.save(self.sharded, path, optimizer=self.optimizer, extra=extra)
+            dist.barrier()
         if self.rank == 0 and self.config.log_every:
-            print(f"saved step {self.step} to {path} ({time.perf_counter() - t0:.2f} s)",
-                  flush=True)
+            print(f"{'started saving' if self.config.async_save else 'saved'} step "
+                  f"{self.step} to {path} ({time.perf_counter() - t0:.2f} s)", flush=True)
+
+    def wait_for_save(self) -> None:
+        """Finish the save under way (``--async-save``), if any. Collective."""
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+            dist.barrier()
 
     def resume(self, path) -> None:
         path = resolve_checkpoint(path)
-        if self.config.fsdp:
-            extra = checkpoint.load_dcp(self.sharded, path, optimizer=self.optimizer)
-            rng = extra.get("rng") or []
-            extra["rng"] = rng[self.rank] if len(rng) == self.world else _rng_json(
-                self.tracker.get_states())  # another world: the streams start afresh
-        else:
-            extra = checkpoint.load_sharded(self.sharded, path, optimizer=self.optimizer)
+        extra = checkpoint.load(self.sharded, path, optimizer=self.optimizer)
+        rng = extra.get("rng") or []
+        extra["rng"] = rng[self.rank] if len(rng) == self.world else _rng_json(
+            self.tracker.get_states())  # another world: the streams start afresh
         if extra.get("format") != FORMAT or "step" not in extra:
             raise ConfigurationError(f"{path} was not written by shardplan.train "
                                      f"(extra: {sorted(extra)[:5]})",
@@ -665,8 +675,8 @@ _STEP_DIR = re.compile(r"step-(\d+)$")
 
 
 def _is_checkpoint(path: Path) -> bool:
-    """A shardplan sharded checkpoint or a DCP one (``--fsdp``)."""
-    return (path / checkpoint.INDEX).is_file() or (path / ".metadata").is_file()
+    """A checkpoint, or one of the retired format (which ``checkpoint.load`` names)."""
+    return (path / ".metadata").is_file() or (path / "index.json").is_file()
 
 
 def resolve_checkpoint(path) -> Path:
