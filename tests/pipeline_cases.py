@@ -53,3 +53,25 @@ def train_rank(ctx, model, data, schedule: str, microbatches: int):
     untouched = all("_orig_forward" not in vars(m) for m in model.modules())
     return (losses, None if local is None else local.item(),
             {n: p.detach() for n, p in pipe.named_parameters()}, sorted(pipe.modules), untouched)
+
+
+def train_tp_rank(ctx, model, data, schedule: str, microbatches: int, tp: int,
+                  tied: tuple[str, ...]):
+    """AdamW steps through a pipeline of ``world / tp`` stages, each sharded over ``tp``
+    ranks: (losses broadcast to this rank, this rank's parameters by FQN, their layouts
+    over the tp group, the stages it holds, this rank's shard of each ``tied`` FQN its
+    stages hold, after every step)."""
+    dims = ParallelDims(pp=ctx.world_size // tp, tp=tp).with_mesh("cpu")
+    pipe = pipeline_parallel(model, data[0][0], dims=dims, microbatches=microbatches,
+                             schedule=schedule)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=LR)
+    losses, tied_steps = [], []
+    for x, y in data:
+        opt.zero_grad()
+        losses.append(pipe.step(x, y, broadcast_loss=True).item())
+        opt.step()
+        tied_steps.append({n: t.detach().clone() for m in pipe.modules.values()
+                           for n, t in m.rank_tensors.items() if n in tied})
+    layouts = {n: str(lay) for m in pipe.modules.values() for n, lay in m.layouts.items()}
+    return (losses, {n: p.detach() for n, p in pipe.named_parameters()}, layouts,
+            sorted(pipe.modules), tied_steps)
