@@ -417,20 +417,25 @@ def _shared_parameters(model: nn.Module, pipe, num_stages: int, modules: dict[in
              if set(aliases) & set(_stage_parameters(module))} for aliases in shared]
     everyone: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
-    out = []
-    for i, aliases in enumerate(shared):
-        forms = {s: form for rank_forms in everyone for s, form in rank_forms[i].items()}
-        if len(set(forms.values())) > 1:
-            listed = "; ".join(f"stage {s}: {lay} {list(shape)}"
-                               for s, (lay, shape, _) in sorted(forms.items()))
-            raise ConfigurationError(
-                f"the parameter shared by {', '.join(aliases)} is split differently on the "
-                f"stages that hold it ({listed}): their gradients cannot be summed shard by "
-                f"shard", where="pipeline_parallel",
-                fix="untie the weight, or keep the modules that read it in one stage")
-        _, shape, dtype = next(iter(forms.values()))
-        out.append(Shared(aliases, torch.Size(shape), dtype))
-    return out
+    return [Shared(aliases, *one_form(aliases, {s: form for rank_forms in everyone
+                                                  for s, form in rank_forms[i].items()}))
+            for i, aliases in enumerate(shared)]
+
+
+def one_form(aliases: tuple[str, ...], forms: dict[int, tuple[str, tuple, torch.dtype]]
+             ) -> tuple[torch.Size, torch.dtype]:
+    """The local (shape, dtype) of a parameter shared by stages, from each holding stage's
+    (layout, local shape, dtype); ``ConfigurationError`` unless they all agree."""
+    if len(set(forms.values())) > 1:
+        listed = "; ".join(f"stage {s}: {lay} {list(shape)}"
+                           for s, (lay, shape, _) in sorted(forms.items()))
+        raise ConfigurationError(
+            f"the parameter shared by {', '.join(aliases)} is split differently on the "
+            f"stages that hold it ({listed}): their gradients cannot be summed shard by "
+            f"shard", where="pipeline_parallel",
+            fix="untie the weight, or keep the modules that read it in one stage")
+    _, shape, dtype = next(iter(forms.values()))
+    return torch.Size(shape), dtype
 
 
 def _shard_form(module: nn.Module, aliases: tuple[str, ...]) -> tuple[str, tuple, torch.dtype]:
