@@ -58,6 +58,7 @@ import copy
 import itertools
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -70,6 +71,7 @@ from ..api import parallelize
 from ..errors import ConfigurationError
 from ..layouts import MeshDim
 from ..parallel_dims import ParallelDims
+from ..runtime.comm import Group
 from ..sharded import ShardedModule
 from ..torch_compat import pytree
 
@@ -301,10 +303,11 @@ def pipeline_parallel(model: nn.Module, example_inputs, *, dims: ParallelDims,
     mine = list(range(pp_rank, num_stages, dims.pp))
     for s in mine:
         _tie_within(pipe.get_stage_module(s), model)
+    device = torch.device(dims.mesh.device_type)
     if dims.tp > 1:
-        stages = _sharded_stages(pipe, mine, _microbatch(inputs, microbatches), dims)
+        stages = _sharded_stages(pipe, mine, _microbatch(inputs, microbatches),
+                                 dims.group(MeshDim.TP), group, device)
     else:
-        device = torch.device(dims.mesh.device_type)
         stages = [pipe.build_stage(s, device, group=group) for s in mine]
     modules = {stage.stage_index: stage.submod for stage in stages}
     cls, multi = SCHEDULES[schedule]
@@ -318,14 +321,12 @@ def _microbatch(inputs: tuple, microbatches: int) -> tuple:
     return tuple(t[: t.shape[0] // microbatches] for t in inputs)
 
 
-def _sharded_stages(pipe, mine: list[int], example: tuple,
-                    dims: ParallelDims) -> list[PipelineStage]:
-    """A ``PipelineStage`` over the pp group for each stage in ``mine``, its module
-    planned and sharded by ``parallelize`` over this rank's tp group on the inputs the
+def _sharded_stages(pipe, mine: list[int], example: tuple, tp_group: Group, group,
+                    device: torch.device) -> list[PipelineStage]:
+    """A ``PipelineStage`` over the pp process group ``group`` for each stage in ``mine``,
+    its module planned and sharded by ``parallelize`` over ``tp_group`` on the inputs the
     stage gets from ``example`` (one microbatch), its output gathered whole."""
     seen = _stage_io(pipe, mine, example)
-    group, tp_group = dims.group(MeshDim.PP).pg, dims.group(MeshDim.TP)
-    device = torch.device(dims.mesh.device_type)
     stages = []
     for s in mine:
         args, out = seen[s]
@@ -336,10 +337,10 @@ def _sharded_stages(pipe, mine: list[int], example: tuple,
     return stages
 
 
-def _stage_io(pipe, stages: list[int], example: tuple) -> dict[int, tuple[tuple, object]]:
+def _stage_io(pipe, stages: list[int], example: tuple) -> dict[int, tuple[tuple, Any]]:
     """Stage index -> (its positional inputs, its output) when ``pipe`` runs ``example``
     in this process (``_example``)."""
-    seen: dict[int, tuple[tuple, object]] = {}
+    seen: dict[int, tuple[tuple, Any]] = {}
 
     def record(s: int):
         def hook(module, args, output):
