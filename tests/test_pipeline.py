@@ -83,10 +83,22 @@ def test_interleaved_runs_two_stages_per_rank(real_ranks):
         assert blocks == {str(rank), str(rank + 2)}, (rank, blocks)
 
 
-#: the bundled GPT's embedding and head: one parameter, on the first and the last stage
+#: GPT's embedding and head: one parameter, on the first and the last stage
 TIED = ("transformer.wte.weight", "lm_head.weight")
-#: (schedule, microbatches, blocks, stages per rank) of the pp 2 x tp 2 runs
-TP_RUNS = [("1f1b", 2, 2, 1), ("interleaved", 2, 4, 2)]
+#: (model, schedule, microbatches, blocks, stages per rank) of the pp 2 x tp 2 runs
+TP_RUNS = [("gpt", "1f1b", 2, 2, 1), ("gpt", "interleaved", 2, 4, 2),
+           ("hf-gpt2", "1f1b", 2, 2, 1)]
+
+
+def _tied_model(name: str, blocks: int):
+    """(a GPT whose head is its embedding, its vocabulary, the loss of its output): the
+    bundled one, or Hugging Face's GPT-2 (vocabulary 101: its shards are padded)."""
+    if name == "hf-gpt2":
+        import hf_cases
+        return hf_cases.build("gpt2", layers=blocks), hf_cases.VOCAB, cases.logits_loss
+    torch.manual_seed(0)
+    model = build("gpt-tiny", n_layer=blocks)
+    return model, model.config.vocab_size, None
 
 
 def _slice(full: torch.Tensor, layout: str, rank: int, tp: int) -> torch.Tensor:
@@ -97,19 +109,18 @@ def _slice(full: torch.Tensor, layout: str, rank: int, tp: int) -> torch.Tensor:
 
 @pytest.mark.real
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("schedule,microbatches,blocks,per_rank", TP_RUNS,
-                         ids=[r[0] for r in TP_RUNS])
-def test_tensor_parallel_stages_train_like_one_process(real_ranks, schedule, microbatches,
-                                                       blocks, per_rank):
+@pytest.mark.parametrize("name,schedule,microbatches,blocks,per_rank", TP_RUNS,
+                         ids=[f"{r[0]}-{r[1]}" for r in TP_RUNS])
+def test_tensor_parallel_stages_train_like_one_process(real_ranks, name, schedule,
+                                                       microbatches, blocks, per_rank):
     """pp 2 x tp 2: ranks 2p and 2p + 1 hold pp rank p's stages, split between them."""
     pp, tp = 2, 2
-    torch.manual_seed(0)
-    model = build("gpt-tiny", n_layer=blocks)
+    model, vocab, loss_fn = _tied_model(name, blocks)
     assert model.lm_head.weight is model.transformer.wte.weight
     data = cases.batches(64)
-    expected, state = cases.reference(model, data)
+    expected, state = cases.reference(model, data, loss_fn)
     runs = real_ranks(pp * tp).run(cases.train_tp_rank, model, data, schedule, microbatches,
-                                   tp, TIED)
+                                   tp, TIED, *([] if loss_fn is None else [loss_fn]))
     total = sum(p.numel() for p in model.parameters())
     held = set()
     for rank, (losses, params, layouts, stages, _) in enumerate(runs):
@@ -128,7 +139,7 @@ def test_tensor_parallel_stages_train_like_one_process(real_ranks, schedule, mic
         assert len(first) == len(last) == len(data)
         for step, (a, b) in enumerate(zip(first, last)):
             assert torch.equal(a[TIED[0]], b[TIED[1]]), (tp_rank, step)
-            assert a[TIED[0]].shape[0] == model.config.vocab_size // tp, a[TIED[0]].shape
+            assert a[TIED[0]].shape[0] == -(-vocab // tp), a[TIED[0]].shape
 
 
 def test_tied_shards_split_alike_or_refused():
