@@ -3,7 +3,10 @@
 pp=2 on 2 gloo processes must train like one process on the global batch: the
 losses and every parameter after a few AdamW steps, on every rank; and it was cut:
 each rank holds its own stage's parameters only (the embedding on the first, the
-head on the last, about half of the model each). The cut's balance and the
+head on the last, about half of the model each). pp 2 x tp 2 on 4 processes too:
+every rank's shard equals its slice of the one-process parameter, each rank
+holds about a quarter of the model, and the tied embedding's shards stay equal
+on the first and last stage after every step. The cut's balance and the
 argument checks need no ranks.
 """
 
@@ -16,8 +19,9 @@ import torch
 
 import pipeline_cases as cases
 from shardplan import ConfigurationError
+from shardplan.layouts import Placement, Shard
 from shardplan.models import build
-from shardplan.parallel.pipeline import balance, check_config, pipeline_parallel
+from shardplan.parallel.pipeline import balance, check_config, one_form, pipeline_parallel
 from shardplan.parallel_dims import ParallelDims
 
 RTOL, ATOL = 1e-5, 1e-4
@@ -79,6 +83,74 @@ def test_interleaved_runs_two_stages_per_rank(real_ranks):
         assert blocks == {str(rank), str(rank + 2)}, (rank, blocks)
 
 
+#: GPT's embedding and head: one parameter, on the first and the last stage
+TIED = ("transformer.wte.weight", "lm_head.weight")
+#: (model, schedule, microbatches, blocks, stages per rank) of the pp 2 x tp 2 runs
+TP_RUNS = [("gpt", "1f1b", 2, 2, 1), ("gpt", "interleaved", 2, 4, 2),
+           ("hf-gpt2", "1f1b", 2, 2, 1)]
+
+
+def _tied_model(name: str, blocks: int):
+    """(a GPT whose head is its embedding, its vocabulary, the loss of its output): the
+    bundled one, or Hugging Face's GPT-2 (vocabulary 101: its shards are padded)."""
+    if name == "hf-gpt2":
+        import hf_cases
+        return hf_cases.build("gpt2", layers=blocks), hf_cases.VOCAB, cases.logits_loss
+    torch.manual_seed(0)
+    model = build("gpt-tiny", n_layer=blocks)
+    return model, model.config.vocab_size, None
+
+
+def _slice(full: torch.Tensor, layout: str, rank: int, tp: int) -> torch.Tensor:
+    """Rank ``rank``'s part of ``full`` held as ``layout`` over ``tp`` ranks."""
+    lay = Placement.parse(layout)
+    return lay.slice(full, rank, tp) if isinstance(lay, Shard) else full
+
+
+@pytest.mark.real
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name,schedule,microbatches,blocks,per_rank", TP_RUNS,
+                         ids=[f"{r[0]}-{r[1]}" for r in TP_RUNS])
+def test_tensor_parallel_stages_train_like_one_process(real_ranks, name, schedule,
+                                                       microbatches, blocks, per_rank):
+    """pp 2 x tp 2: ranks 2p and 2p + 1 hold pp rank p's stages, split between them."""
+    pp, tp = 2, 2
+    model, vocab, loss_fn = _tied_model(name, blocks)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    data = cases.batches(64)
+    expected, state = cases.reference(model, data, loss_fn)
+    runs = real_ranks(pp * tp).run(cases.train_tp_rank, model, data, schedule, microbatches,
+                                   tp, TIED, *([] if loss_fn is None else [loss_fn]))
+    total = sum(p.numel() for p in model.parameters())
+    held = set()
+    for rank, (losses, params, layouts, stages, _) in enumerate(runs):
+        pp_rank, tp_rank = divmod(rank, tp)
+        torch.testing.assert_close(losses, expected, rtol=RTOL, atol=0, msg=f"rank {rank}")
+        assert stages == list(range(pp_rank, pp * per_rank, pp)), (rank, stages)
+        for n, t in params.items():
+            torch.testing.assert_close(t, _slice(state[n], layouts[n], tp_rank, tp), rtol=0,
+                                       atol=ATOL, msg=f"rank {rank} {n} {layouts[n]}")
+        mine = sum(t.numel() for t in params.values())
+        assert mine < 1.3 * total / (pp * tp), f"rank {rank} holds {mine} of {total}"
+        held |= set(params)
+    assert held == {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    for tp_rank in range(tp):
+        first, last = runs[tp_rank][4], runs[(pp - 1) * tp + tp_rank][4]
+        assert len(first) == len(last) == len(data)
+        for step, (a, b) in enumerate(zip(first, last)):
+            assert torch.equal(a[TIED[0]], b[TIED[1]]), (tp_rank, step)
+            assert a[TIED[0]].shape[0] == -(-vocab // tp), a[TIED[0]].shape
+
+
+def test_tied_shards_split_alike_or_refused():
+    form = ("S(0)", (48, 32), torch.float32)
+    assert one_form(TIED, {0: form, 3: form}) == (torch.Size([48, 32]), torch.float32)
+    with pytest.raises(ConfigurationError) as e:
+        one_form(TIED, {0: form, 1: ("S(1)", (96, 16), torch.float32)})
+    assert all(w in str(e.value) for w in [*TIED, "stage 0: S(0) [48, 32]",
+                                           "stage 1: S(1) [96, 16]"]), str(e.value)
+
+
 def _largest(costs, starts):
     ends = [*starts[1:], len(costs)]
     return max(sum(costs[a:b]) for a, b in zip(starts, ends))
@@ -105,11 +177,12 @@ def test_balance_is_the_best_contiguous_cut():
             assert _largest(costs, starts) == best, (costs, stages, starts)
 
 
-def _check(pp=2, microbatches=2, schedule="1f1b", virtual_stages=None, tp=1, rows=4, blocks=2):
+def _check(pp=2, microbatches=2, schedule="1f1b", virtual_stages=None, tp=1, rows=4, blocks=2,
+           dp_shard=1):
     model = build("gpt-tiny", n_layer=blocks)
     return check_config(model, (torch.zeros(rows, 8, dtype=torch.long),),
-                        ParallelDims(pp=pp, tp=tp), microbatches, schedule, virtual_stages,
-                        "transformer.h")
+                        ParallelDims(pp=pp, tp=tp, dp_shard=dp_shard), microbatches, schedule,
+                        virtual_stages, "transformer.h")
 
 
 @pytest.mark.parametrize("kwargs,words", [
@@ -121,8 +194,9 @@ def _check(pp=2, microbatches=2, schedule="1f1b", virtual_stages=None, tp=1, row
     (dict(schedule="interleaved", microbatches=5, rows=10, blocks=4), ["2 rounds"]),
     (dict(schedule="zigzag"), ["zigzag", "gpipe", "1f1b", "interleaved"]),
     (dict(schedule="gpipe", virtual_stages=2), ["virtual_stages=2", "interleaved"]),
-    (dict(tp=2), ["pp >= 2"]),
+    (dict(pp=1, tp=2), ["pp >= 2"]),
     (dict(pp=1), ["pp >= 2"]),
+    (dict(dp_shard=2, tp=2), ["data parallelism", "dp_shard=2"]),
 ])
 def test_bad_pipeline_configuration_is_named(kwargs, words):
     with pytest.raises(ConfigurationError) as e:
@@ -133,6 +207,11 @@ def test_bad_pipeline_configuration_is_named(kwargs, words):
 def test_gpipe_takes_fewer_microbatches_than_stages():
     assert _check(schedule="gpipe", microbatches=1) == 1
     assert _check(schedule="interleaved", microbatches=2, blocks=4) == 2
+
+
+def test_tensor_parallel_stages_are_accepted():
+    assert _check(tp=2) == 1
+    assert _check(tp=4, schedule="interleaved", blocks=4) == 2
 
 
 def test_a_model_without_blocks_is_refused():

@@ -1,13 +1,14 @@
-"""Pipeline parallelism over the mesh's "pp" dimension, on ``torch.distributed.pipelining``.
+"""Pipeline parallelism over the mesh's "pp" dimension, on ``torch.distributed.pipelining``,
+with tensor parallelism inside each stage over its "tp" dimension.
 
 ``pipeline_parallel(model, example_inputs, dims=..., microbatches=M)`` cuts
 ``model`` into stages at block boundaries, keeps this rank's stages and runs
 them with one of torch's schedules::
 
-    dims = ParallelDims(pp=2).with_mesh("cpu")
+    dims = ParallelDims(pp=2, tp=2).with_mesh("cpu")
     pipe = pipeline_parallel(model, x, dims=dims, microbatches=4, schedule="1f1b")
     opt = torch.optim.AdamW(pipe.parameters())
-    loss = pipe.step(x, y)      # the batch's loss on the last stage's rank, else None
+    loss = pipe.step(x, y)      # the batch's loss on the last stage's ranks, else None
 
 The cut:
 
@@ -27,12 +28,28 @@ The cut:
    ``s % pp`` (with ``virtual_stages`` v > 1, the interleaved schedule's
    v stages per rank).
 
+**Tensor parallelism inside the stages** (``dims.tp`` > 1): the traced model
+runs one microbatch in this process, recording what each of this rank's
+stages takes and returns; each stage module is then planned and sharded by
+``shardplan.parallelize`` over this rank's tp group on those inputs, exactly
+as a whole model is (the embedding vocab-parallel on the first stage, the
+attention and MLP split column/row inside every stage, as the planner
+decides), with ``gather_output=True``: a stage sends and receives whole
+activations, and the last stage returns whole logits, on which the
+schedule's ``loss_fn`` runs on every tp rank (a vocab-parallel loss on the
+last stage is the next step). The ``PipelineStage`` is built by hand over
+the pp group with the recorded shapes. The pp group of a rank joins the
+ranks of the same tp rank, so stage ``s`` and ``s + 1`` exchange the
+activations of matching tp ranks.
+
 Parameters used on several stages (an embedding tied to the head) are kept
 on each of them by the tracer; ``step`` sums their gradients over the pp
 group, so every copy gets the whole gradient and stays equal to the others.
-The tracer exports one microbatch shape: every ``step`` takes a batch of
-the example's shape. Tensor parallelism inside a stage and data parallelism
-beside the pipeline are not yet supported.
+With tensor parallelism the sum is of this rank's shards: every stage that
+holds the parameter must split it alike (checked when the pipeline is built;
+else ``ConfigurationError``). The tracer exports one microbatch shape: every
+``step`` takes a batch of the example's shape. Data parallelism beside the
+pipeline is not yet supported.
 """
 
 from __future__ import annotations
@@ -41,17 +58,22 @@ import copy
 import itertools
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.pipelining import (
-    Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, SplitPoint, pipeline)
+    PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, SplitPoint, pipeline)
 
+from ..api import parallelize
 from ..errors import ConfigurationError
 from ..layouts import MeshDim
 from ..parallel_dims import ParallelDims
+from ..runtime.comm import Group
+from ..sharded import ShardedModule
+from ..torch_compat import pytree
 
 #: schedule name -> (torch schedule class, whether it runs several stages per rank)
 SCHEDULES = {
@@ -132,11 +154,17 @@ def check_config(model: nn.Module, inputs: tuple, dims: ParallelDims, microbatch
             where="pipeline_parallel",
             fix="pass virtual_stages (an int >= 1, stages per rank) only with "
                 "schedule='interleaved'")
-    if dims.pp < 2 or dims.tp > 1 or dims.dp > 1:
+    if dims.pp < 2:
         raise ConfigurationError(
-            f"{dims}: pipeline_parallel runs pipeline stages alone (pp >= 2, every other "
-            f"dimension 1) for now", where="pipeline_parallel",
-            fix="pass dims=ParallelDims(pp=world_size).with_mesh(device)")
+            f"{dims}: pipeline_parallel needs pp >= 2 stages", where="pipeline_parallel",
+            fix="pass dims=ParallelDims(pp=..., tp=...).with_mesh(device) with pp >= 2, or "
+                "shardplan.parallelize for tensor parallelism alone")
+    if dims.dp > 1:
+        raise ConfigurationError(
+            f"{dims}: pipeline_parallel does not yet run data parallelism beside the "
+            f"pipeline (dp_replicate={dims.dp_replicate}, dp_shard={dims.dp_shard})",
+            where="pipeline_parallel",
+            fix="pass dims=ParallelDims(pp=..., tp=...) whose pp x tp is the world size")
     if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
         raise ConfigurationError(f"microbatches={microbatches!r} must be a positive int",
                                  where="pipeline_parallel",
@@ -172,10 +200,11 @@ def check_config(model: nn.Module, inputs: tuple, dims: ParallelDims, microbatch
 
 
 class Shared:
-    """A parameter of the model under several FQNs or on several stages."""
+    """A parameter of the model on several stages, and the shape and dtype of the
+    tensor each of them holds on this rank (its tp shard)."""
 
-    def __init__(self, aliases: tuple[str, ...], like: torch.Tensor):
-        self.aliases, self.shape, self.dtype = aliases, like.shape, like.dtype
+    def __init__(self, aliases: tuple[str, ...], shape: torch.Size, dtype: torch.dtype):
+        self.aliases, self.shape, self.dtype = aliases, shape, dtype
 
 
 class Pipeline:
@@ -183,7 +212,8 @@ class Pipeline:
 
     def __init__(self, modules: dict[int, nn.Module], schedule, dims: ParallelDims,
                  starts: list[int], shared: list[Shared], batch_shapes: list[tuple]):
-        #: stage index -> this rank's stage module (parameters under the model's FQNs)
+        #: stage index -> this rank's stage module (parameters under the model's FQNs; a
+        #: ``ShardedModule`` of it with tp > 1)
         self.modules = modules
         #: the torch schedule object
         self.schedule = schedule
@@ -242,7 +272,7 @@ class Pipeline:
         rank without it adds zeros); every copy gets the sum."""
         for shared in self._shared:
             held = list({id(p): p for module in self.modules.values()
-                         for n, p in module.named_parameters(remove_duplicate=False)
+                         for n, p in _stage_parameters(module).items()
                          if n in shared.aliases}.values())
             grads = [p.grad for p in held if p.grad is not None]
             grad = torch.stack(grads).sum(0) if grads else \
@@ -270,25 +300,76 @@ def pipeline_parallel(model: nn.Module, example_inputs, *, dims: ParallelDims,
     group = dims.group(MeshDim.PP).pg
     pp_rank = dist.get_rank(group)
     pipe = _trace(copy.deepcopy(model), inputs, microbatches, layers, starts)
+    mine = list(range(pp_rank, num_stages, dims.pp))
+    for s in mine:
+        _tie_within(pipe.get_stage_module(s), model)
     device = torch.device(dims.mesh.device_type)
-    stages, modules = [], {}
-    for s in range(pp_rank, num_stages, dims.pp):
-        stage = pipe.build_stage(s, device, group=group)
-        _tie_within(stage.submod, model)
-        stages.append(stage)
-        modules[s] = stage.submod
+    if dims.tp > 1:
+        stages = _sharded_stages(pipe, mine, _microbatch(inputs, microbatches),
+                                 dims.group(MeshDim.TP), group, device)
+    else:
+        stages = [pipe.build_stage(s, device, group=group) for s in mine]
+    modules = {stage.stage_index: stage.submod for stage in stages}
     cls, multi = SCHEDULES[schedule]
     runner = cls(stages if multi else stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
-    shared = _shared_parameters(model, pipe, num_stages)
+    shared = _shared_parameters(model, pipe, num_stages, modules, group)
     return Pipeline(modules, runner, dims, starts, shared, [tuple(t.shape) for t in inputs])
+
+
+def _microbatch(inputs: tuple, microbatches: int) -> tuple:
+    """The first microbatch of ``inputs``."""
+    return tuple(t[: t.shape[0] // microbatches] for t in inputs)
+
+
+def _sharded_stages(pipe, mine: list[int], example: tuple, tp_group: Group, group,
+                    device: torch.device) -> list[PipelineStage]:
+    """A ``PipelineStage`` over the pp process group ``group`` for each stage in ``mine``,
+    its module planned and sharded by ``parallelize`` over ``tp_group`` on the inputs the
+    stage gets from ``example`` (one microbatch), its output gathered whole."""
+    seen = _stage_io(pipe, mine, example)
+    stages = []
+    for s in mine:
+        args, out = seen[s]
+        sharded = parallelize(pipe.get_stage_module(s), group=tp_group, example_inputs=args,
+                              gather_output=True)
+        stages.append(PipelineStage(sharded, s, pipe.num_stages, device, input_args=args,
+                                    output_args=out, group=group))
+    return stages
+
+
+def _stage_io(pipe, stages: list[int], example: tuple) -> dict[int, tuple[tuple, Any]]:
+    """Stage index -> (its positional inputs, its output) when ``pipe`` runs ``example``
+    in this process (``_example``)."""
+    seen: dict[int, tuple[tuple, Any]] = {}
+
+    def record(s: int):
+        def hook(module, args, output):
+            seen[s] = (pytree.tree_map(_example, args), pytree.tree_map(_example, output))
+        return hook
+
+    handles = [pipe.get_stage_module(s).register_forward_hook(record(s)) for s in stages]
+    try:
+        with torch.no_grad():
+            pipe(*example)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen
+
+
+def _example(x):
+    """A recorded stage input or output as the schedule sees it in training: detached,
+    requiring a gradient if it is floating point."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    return x.detach().requires_grad_(x.is_floating_point())
 
 
 def _trace(model: nn.Module, inputs: tuple, microbatches: int, layers: str, starts: list[int]):
     """torch's ``Pipe`` of ``model`` split before each stage's first block, exported on
     one microbatch of ``inputs``."""
-    example = tuple(t[: t.shape[0] // microbatches] for t in inputs)
     spec = {f"{layers}.{b}": SplitPoint.BEGINNING for b in starts[1:]}
-    return pipeline(model, example, split_spec=spec)
+    return pipeline(model, _microbatch(inputs, microbatches), split_spec=spec)
 
 
 def _aliases(model: nn.Module) -> list[tuple[str, ...]]:
@@ -310,10 +391,57 @@ def _tie_within(stage: nn.Module, model: nn.Module) -> None:
             setattr(stage.get_submodule(owner), leaf, held[mine[0]])
 
 
-def _shared_parameters(model: nn.Module, pipe, num_stages: int) -> list[Shared]:
-    """The parameters of ``model`` that more than one stage of ``pipe`` holds."""
+def _stage_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
+    """FQN (each alias of a tied one) -> parameter of a stage module: its tp shard where
+    the module is a ``ShardedModule``."""
+    if isinstance(module, ShardedModule):
+        return {n: t for n, t in module.rank_tensors.items() if isinstance(t, nn.Parameter)}
+    return dict(module.named_parameters(remove_duplicate=False))
+
+
+def _layout_of(module: nn.Module, fqn: str) -> str:
+    """How a stage module splits its parameter ``fqn`` over the tp group."""
+    return str(module.layouts[fqn]) if isinstance(module, ShardedModule) else "R"
+
+
+def _shared_parameters(model: nn.Module, pipe, num_stages: int, modules: dict[int, nn.Module],
+                       group) -> list[Shared]:
+    """The parameters of ``model`` that more than one stage of ``pipe`` holds, each with
+    the shape of its shard on this rank. Every stage holding one must split it alike
+    (the gradients of its shards are summed over the pp group), else
+    ``ConfigurationError``."""
     holders = [{n for n, _ in pipe.get_stage_module(s).named_parameters(
         remove_duplicate=False)} for s in range(num_stages)]
-    params = dict(model.named_parameters(remove_duplicate=False))
-    return [Shared(aliases, params[aliases[0]]) for aliases in _aliases(model)
-            if sum(bool(holders[s] & set(aliases)) for s in range(num_stages)) > 1]
+    shared = [aliases for aliases in _aliases(model)
+              if sum(bool(holders[s] & set(aliases)) for s in range(num_stages)) > 1]
+    mine = [{s: _shard_form(module, aliases) for s, module in modules.items()
+             if set(aliases) & set(_stage_parameters(module))} for aliases in shared]
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    return [Shared(aliases, *one_form(aliases, {s: form for rank_forms in everyone
+                                                  for s, form in rank_forms[i].items()}))
+            for i, aliases in enumerate(shared)]
+
+
+def one_form(aliases: tuple[str, ...], forms: dict[int, tuple[str, tuple, torch.dtype]]
+             ) -> tuple[torch.Size, torch.dtype]:
+    """The local (shape, dtype) of a parameter shared by stages, from each holding stage's
+    (layout, local shape, dtype); ``ConfigurationError`` unless they all agree."""
+    if len(set(forms.values())) > 1:
+        listed = "; ".join(f"stage {s}: {lay} {list(shape)}"
+                           for s, (lay, shape, _) in sorted(forms.items()))
+        raise ConfigurationError(
+            f"the parameter shared by {', '.join(aliases)} is split differently on the "
+            f"stages that hold it ({listed}): their gradients cannot be summed shard by "
+            f"shard", where="pipeline_parallel",
+            fix="untie the weight, or keep the modules that read it in one stage")
+    _, shape, dtype = next(iter(forms.values()))
+    return torch.Size(shape), dtype
+
+
+def _shard_form(module: nn.Module, aliases: tuple[str, ...]) -> tuple[str, tuple, torch.dtype]:
+    """(layout, local shape, dtype) of the parameter a stage module holds under one of
+    ``aliases``."""
+    params = _stage_parameters(module)
+    fqn = next(n for n in aliases if n in params)
+    return _layout_of(module, fqn), tuple(params[fqn].shape), params[fqn].dtype
