@@ -75,18 +75,18 @@ def annotate(gm: fx.GraphModule, dims: MeshSizes, rules: RuleSet, *, strict: boo
     biases) in one all-reduce per block where ``cut_blocks`` (recomputation and FSDP run
     the graph block by block), else in one all-reduce per step, after the last of them.
     """
-    planned = lambda g, whole, gather: settle(  # noqa: E731
-        g, dims, rules, strict, sequence_parallel, keep, whole, gather)
-    whole = _reductions(gm, rules)  # names of the reductions kept whole (all, to start)
+    planned = lambda g, undistributed, gather: settle(  # noqa: E731
+        g, dims, rules, strict, sequence_parallel, keep, undistributed, gather)
+    undistributed = _reductions(gm, rules)  # reductions kept from running distributed (all, first)
     gather: frozenset[str] = frozenset()  # names of the ops whose split operands are all-gathered
-    ann = planned(gm, whole, gather)
+    ann = planned(gm, undistributed, gather)
     for _ in gm.graph.nodes:  # x + P1 + P2 as x + (P1 + P2): one g; at most one a node
         if sequence_parallel or not regroup(gm, ann.layouts, rules.strategy.partial_through):
             break
-        ann = planned(gm, whole, gather)
+        ann = planned(gm, undistributed, gather)
     regions: dict[frozenset[str], set[str]] = {}  # openers -> the ops that stopped them, by name
     for node, openers in ann.stopped.items() if distribute else ():
-        if _reduction(node, whole):
+        if _reduction(node, undistributed):
             regions.setdefault(frozenset(o.name for o in openers), set()).add(node.name)
     for node, openers in ann.blocked.items() if distribute else ():
         regions.setdefault(frozenset(o.name for o in openers), set()).add(node.name)
@@ -96,14 +96,14 @@ def annotate(gm: fx.GraphModule, dims: MeshSizes, rules: RuleSet, *, strict: boo
         if not stops <= nodes.keys():
             continue  # written out with an earlier region
         alts = {}
-        names = {n for n in stops if _reduction(nodes[n], whole)}
+        names = {n for n in stops if _reduction(nodes[n], undistributed)}
         done = ()
         if names:
-            alt, done, names = _distributed(gm, ann, planned, whole, gather, names, origins)
+            alt, done, names = _distributed(gm, ann, planned, undistributed, gather, names, origins)
             if done:  # else none can run distributed (a max that needs its gradient)
                 alts[Alternative.DISTRIBUTED] = alt
         if not sequence_parallel and not names:
-            alt, gathered = _gathered(gm, ann, planned, whole, gather, stops, origins)
+            alt, gathered = _gathered(gm, ann, planned, undistributed, gather, stops, origins)
             if alt is not None:
                 alts[Alternative.GATHERED] = alt
         if not alts:
@@ -116,7 +116,7 @@ def annotate(gm: fx.GraphModule, dims: MeshSizes, rules: RuleSet, *, strict: boo
         if chosen == Alternative.DISTRIBUTED:  # the written-out graph becomes the model's
             gm.graph = alts[chosen].gm.graph
             alts[chosen].gm = gm
-            ann, whole = alts[chosen], whole - names
+            ann, undistributed = alts[chosen], undistributed - names
         elif chosen == Alternative.GATHERED:
             ann, gather = alts[chosen], gather | gathered
     ann.choices = choices
@@ -125,10 +125,10 @@ def annotate(gm: fx.GraphModule, dims: MeshSizes, rules: RuleSet, *, strict: boo
     return ann
 
 
-def _reduction(node: fx.Node, whole: frozenset) -> bool:
+def _reduction(node: fx.Node, undistributed: frozenset) -> bool:
     """Is ``node`` a reduction the rules can run distributed (or a fused norm or softmax
     written out in such)? There the choice is Megatron's: distributed or replicated."""
-    return node.name in whole or decomposable(node)
+    return node.name in undistributed or decomposable(node)
 
 
 def _reductions(gm: fx.GraphModule, rules: RuleSet) -> frozenset:
@@ -137,8 +137,8 @@ def _reductions(gm: fx.GraphModule, rules: RuleSet) -> frozenset:
                      and getattr(rules.reduce.get(op_name(n)), "distributed", None))
 
 
-def _distributed(gm, ann: Annotation, planned, whole: frozenset, gather: frozenset, names: set,
-                 origins: frozenset):
+def _distributed(gm, ann: Annotation, planned, undistributed: frozenset, gather: frozenset,
+                 names: set, origins: frozenset):
     """``ann`` with one region's reductions ``names`` distributed, on a copy of the graph
     (fused norms and softmaxes written out), with every further reduction that region
     then stops at (a norm's second mean, a softmax's sum after its max). Returns the
@@ -152,11 +152,11 @@ def _distributed(gm, ann: Annotation, planned, whole: frozenset, gather: frozens
         if fused:
             decompose(g, fused)
         try:
-            alt = planned(g, whole - names, gather)
+            alt = planned(g, undistributed - names, gather)
         except ShardplanError:  # not a plan at all this way: the baseline stands
             return None, (), names
         more = {n.name for n, o in alt.stopped.items()
-                if _reduction(n, whole) and {x.name for x in o} & origins} - names
+                if _reduction(n, undistributed) and {x.name for x in o} & origins} - names
         if not more:
             done = tuple(n for n, o in alt.outcomes.items()
                          if o.role is Role.DISTRIBUTED and n.name not in before)
@@ -164,7 +164,7 @@ def _distributed(gm, ann: Annotation, planned, whole: frozenset, gather: frozens
         names = names | more
 
 
-def _gathered(gm, ann: Annotation, planned, whole: frozenset, gather: frozenset, stops: set,
+def _gathered(gm, ann: Annotation, planned, undistributed: frozenset, gather: frozenset, stops: set,
               origins: frozenset):
     """``ann`` with the shards read by ``stops`` (the ops one region stopped at)
     all-gathered there, and at every further op that region then stops at, so that
@@ -174,11 +174,11 @@ def _gathered(gm, ann: Annotation, planned, whole: frozenset, gather: frozenset,
     names = set(stops)
     while True:
         try:
-            alt = planned(gm, whole, gather | names)
+            alt = planned(gm, undistributed, gather | names)
         except ShardplanError:  # not a plan at all this way: the baseline stands
             return None, names
         more = {n.name for n, o in alt.blocked.items()
-                if not _reduction(n, whole) and {x.name for x in o} & origins} - names
+                if not _reduction(n, undistributed) and {x.name for x in o} & origins} - names
         if not more:
             held = {n.name for n in alt.disabled}
             gathers = lambda a: sum(t.purpose is Purpose.GATHER for t in a.transitions)  # noqa: E731

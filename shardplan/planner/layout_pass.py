@@ -39,13 +39,14 @@ class LayoutPass:
     """One walk over ``gm`` (``run``) with the decisions taken so far: the openers kept
     replicated (``disabled``: opener -> (reason, warn)), the ranks per part of each
     opener held by groups of ranks (``replicas``), the parameters held split with
-    their views (``split``), the reductions kept whole (``whole``) and the ops whose
-    split operands are all-gathered for them (``gather``, by name)."""
+    their views (``split``), the reductions kept from running distributed
+    (``undistributed``) and the ops whose split operands are all-gathered for them
+    (``gather``, by name)."""
 
     def __init__(self, gm: fx.GraphModule, dims: MeshSizes, rules: RuleSet,
                  params: dict[str, torch.nn.Parameter], disabled: dict[fx.Node, tuple[str, bool]],
                  replicas: dict[fx.Node, int | tuple[int, ...]],
-                 seq_dims: dict[fx.Node, frozenset[int]], whole: frozenset[str],
+                 seq_dims: dict[fx.Node, frozenset[int]], undistributed: frozenset[str],
                  split: dict[fx.Node, tuple[Shard, fx.Node]], gather: frozenset[str] = frozenset()):
         self.gm, self.rules, self.params, self.disabled = gm, rules, params, disabled
         self.split = split
@@ -53,7 +54,7 @@ class LayoutPass:
         # parameters (and their views) found needed split by this pass, for the next
         self.wanted: dict[fx.Node, tuple[Shard, fx.Node]] = {}
         self.grad: dict[fx.Node, bool] = {}
-        self.ctx = Context(dims, rules, whole, self.grad)
+        self.ctx = Context(dims, rules, undistributed, self.grad)
         self.dim, self.size = self.ctx.dim, self.ctx.size  # the mesh dim planned, its ranks
         self.replicas = replicas
         self.seq_dims = seq_dims  # empty unless sequence parallel

@@ -33,9 +33,9 @@ from .transition_derivation import derive_transitions
 
 
 def settle(gm: fx.GraphModule, dims: MeshSizes, rules: RuleSet, strict: bool,
-           sequence_parallel: bool, keep: dict[str, Layout] | None, whole: frozenset[str],
+           sequence_parallel: bool, keep: dict[str, Layout] | None, undistributed: frozenset[str],
            gather: frozenset[str]) -> Annotation:
-    """``annotate``'s plan with the reductions ``whole`` (by name) kept from running
+    """``annotate``'s plan with the reductions ``undistributed`` (by name) kept from running
     distributed and the shards read by the ops ``gather`` (by name) all-gathered for them,
     without weighing alternatives."""
     params = dict(gm.named_parameters(remove_duplicate=False))
@@ -50,7 +50,8 @@ def settle(gm: fx.GraphModule, dims: MeshSizes, rules: RuleSet, strict: bool,
     blocked: dict[fx.Node, frozenset[fx.Node]] = {}  # fallback op reading a shard -> openers
     while True:
         pas = LayoutPass(gm, dims, rules, params, disabled,
-                         {o: r for o, (r, _) in replicas.items()}, seq_dims, whole, split, gather)
+                         {o: r for o, (r, _) in replicas.items()}, seq_dims, undistributed, split,
+                         gather)
         ann, conflicts = pas.run()
         wanted = {n: held for n, held in pas.wanted.items() if n not in split and
                   (keep is None or keep.get(cast(str, held[1].target)) == pas.wanted[held[1]][0])}

@@ -79,12 +79,12 @@ class Context:
     """What a rule may know beyond its node: the mesh's sizes and the one dimension
     ``dim`` the rule is applied to (a rule is written for one mesh dim, as DTensor's
     single-dim strategies are), the rule set, the reductions the planner chose to keep
-    whole (their regions replicated) rather than distribute, and which operands need a
+    undistributed (their regions replicated), and which operands need a
     gradient."""
 
     dims: MeshSizes
     rules: Any  # the RuleSet (planner/rules.py imports the kinds: no import of it here)
-    whole: frozenset[str] = frozenset()  # names of reductions not to run in distributed form
+    undistributed: frozenset[str] = frozenset()  # reductions not to run distributed (names)
     needs_grad: dict[fx.Node, bool] = field(default_factory=dict)  # does its value need one
     dim: MeshDim = MeshDim.TP
 

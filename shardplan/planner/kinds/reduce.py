@@ -7,7 +7,7 @@ mean) may reduce a split dim: each rank reduces its part, and the result is
 ``Partial``, all-reduced like a row-parallel output (a ``stat`` transition,
 b*s numbers for a norm's statistic; a max's result is all-reduced by max, and
 only for an input that needs no gradient). The planner decides per region
-whether that beats keeping the region replicated (``Context.whole``).
+whether that beats keeping the region replicated (``Context.undistributed``).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class ReduceKind(Kind):
         rank = len(tensor_shape(node.args[0]))
         dims = self._dims(node, spec.dim, rank)
         if lay.dim in dims:
-            if spec.distributed and node.name not in ctx.whole and not lay.padded \
+            if spec.distributed and node.name not in ctx.undistributed and not lay.padded \
                     and not (spec.distributed == "max" and ctx.needs_grad.get(node.args[0])):
                 return Outcome(Partial(), {p: R for p in lays if p != (0,)},
                                role=Role.DISTRIBUTED,
