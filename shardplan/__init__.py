@@ -6,12 +6,13 @@ from .runtime.consistency import check_replicas
 from .planner.plan import Plan, plan
 from .verify import VerifyReport, verify
 from .errors import (CaptureError, CheckpointError, CommunicationError, ConfigurationError,
-                     DivisibilityError, LayoutError, RuleError, ShardplanError)
+                     DivisibilityError, LayoutError, NonFiniteError, RuleError,
+                     ShardplanError)
 from .layouts import Partial, Replicate, Shard
 
 __all__ = [
     "parallelize", "plan", "Plan", "verify", "VerifyReport", "check_replicas",
     "Replicate", "Shard", "Partial",
     "ShardplanError", "CaptureError", "CheckpointError", "CommunicationError",
-    "ConfigurationError", "DivisibilityError", "LayoutError", "RuleError",
+    "ConfigurationError", "DivisibilityError", "LayoutError", "NonFiniteError", "RuleError",
 ]

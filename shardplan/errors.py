@@ -55,6 +55,10 @@ class CheckpointError(ShardplanError):
     """A checkpoint that cannot be read, written or matched to the model."""
 
 
+class NonFiniteError(ShardplanError):
+    """A NaN or inf loss or gradient norm in training (``--on-nonfinite stop``)."""
+
+
 class UnsupportedDecode(ConfigurationError):
     """A model with no cached decode step (``shardplan.kvcache``); ``generate`` then
     recomputes the prefix for every token instead, and warns with this reason."""

@@ -21,8 +21,9 @@ from shardplan.train.optim import (build_optimizer, clip_grad_norm_, cosine_sche
 from shardplan.ranks import SimulatedRanks
 from shardplan.train.trainer import TokenData, TrainConfig, parse_args, resolve_checkpoint
 from checks import full_gradient
-from train_cases import (BASE, clip_dp_rank, clip_rank, reference_losses, rel_close,
-                         resume_rank, torch_clip, train_rank, trainer_rank)
+from train_cases import (BASE, clip_dp_rank, clip_rank, nonfinite_dp_rank, nonfinite_rank,
+                         reference_losses, rel_close, resume_rank, torch_clip, train_rank,
+                         trainer_rank)
 
 
 # -- the schedule -----------------------------------------------------------------------------
@@ -209,6 +210,49 @@ def test_data_parallel_flags_refused_and_documented(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "--dp-shard with --fsdp, else --dp-replicate" in text
     assert "> 1 turns --fsdp on" in text
+
+
+def test_on_nonfinite_option():
+    assert parse_args([]).on_nonfinite == "stop"
+    assert parse_args(["--on-nonfinite", "skip"]).on_nonfinite == "skip"
+    with pytest.raises(SystemExit):
+        parse_args(["--on-nonfinite", "ignore"])
+    with pytest.raises(ConfigurationError, match="on_nonfinite='ignore'"):
+        TrainConfig(on_nonfinite="ignore")
+
+
+@pytest.mark.timeout(60)
+def test_nonfinite_loss_on_one_replica_skips_every_replica():
+    """Two simulated replicas, rank 1's loss NaN (its gradients finite): agreed, both skip
+    and neither changes; the control without agreement lets rank 0 step alone."""
+    torch.manual_seed(0)
+    model = build("gpt-tiny")
+    x, y = _batch(96)
+    agreed = SimulatedRanks(2).run(nonfinite_dp_rank, model, x, y, True)
+    assert agreed == [(True, {"loss": [1]}, False)] * 2
+    alone = SimulatedRanks(2).run(nonfinite_dp_rank, model, x, y, False)
+    assert [(skipped, changed) for skipped, _, changed in alone] == [(False, True), (True, False)]
+
+
+@pytest.mark.real
+@pytest.mark.timeout(180)
+def test_nonfinite_skip_and_stop_agree_on_every_rank(real_ranks):
+    """dp 2 x tp 2. skip: a NaN in rank 1's gradient of a replicated parameter at step 2
+    (averaged into rank 3's; no rank's global norm sees it) skips step 2 on every rank, no
+    parameter changes, training goes on, the counter says 1, the replicas stay equal.
+    stop: rank 1's loss NaN at step 2 raises on every rank, naming the step and the rank."""
+    runs = real_ranks(4).run(nonfinite_rank, dict(BASE, steps=3))
+    for r in runs:
+        assert r["changed"] == [True, False, True]
+        assert [h["skipped"] for h in r["history"]] == [False, True, False]
+        assert [h["skipped_steps"] for h in r["history"]] == [0, 1, 1]
+        assert all(math.isfinite(h["grad_norm"]) for h in r["history"])  # only the local check
+        assert r["history"] == runs[0]["history"]
+        step, message = r["stopped"]
+        assert step == 1 and "step 2: non-finite loss on rank 1\n" in message, message
+    for r in runs:  # every replica holds what its peers hold (check_replicas passed too)
+        peer = runs[r["tp_rank"]]
+        assert r["fingerprints"] == peer["fingerprints"]
 
 
 def test_resolve_checkpoint(tmp_path):

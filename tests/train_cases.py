@@ -13,7 +13,9 @@ from shardplan.train.optim import TPGradScaler, build_optimizer, clip_grad_norm_
 from shardplan.planner.rules import load_rules
 from shardplan.runtime.random import set_rng_tracker
 from shardplan.sharded import ShardedModule
-from shardplan.train.trainer import TokenData, Trainer, TrainConfig, build_model, train
+from shardplan.errors import NonFiniteError
+from shardplan.train.trainer import (TokenData, Trainer, TrainConfig, build_model, train,
+                                     training_step)
 
 
 # One small run: dp 2 x tp 2, 2 sequences of 16 bytes per replica and step, dropout 0.
@@ -134,6 +136,74 @@ def fp16_resume_rank(ctx, first: dict, second: dict, growth_interval: int):
     resumed.run()
     return (full.history, resumed.history, full.scaler.state_dict(),
             resumed.scaler.state_dict())
+
+
+# -- non-finite values (--on-nonfinite) ---------------------------------------------------
+
+def _nan_loss(module, args, out):
+    """A forward hook: the loss NaN, its gradient unchanged (a constant is added)."""
+    logits, loss = out[0], out[1]
+    return logits, loss + float("nan")
+
+
+def nonfinite_dp_rank(ctx, model, x, y, agreeing: bool):
+    """One ``training_step`` of a plain replica on this rank's half of the batch, rank 1's
+    loss NaN (its gradients finite); ``agreeing``: the ranks agree over ``ctx.group``.
+    (skipped, what was seen where, whether this rank's parameters changed)."""
+    m = copy.deepcopy(model)
+    rows = x.shape[0] // ctx.world_size
+    mine = slice(ctx.rank * rows, (ctx.rank + 1) * rows)
+    if ctx.rank == 1:
+        m.register_forward_hook(_nan_loss)
+    opt = build_optimizer(m, 1e-3)
+    before = [p.detach().clone() for p in m.parameters()]
+    done = training_step(m, opt, TPGradScaler("cpu", enabled=False), (x[mine], y[mine]),
+                         config=TrainConfig(), lr=1e-3, dp_group=ctx.group,
+                         group=ctx.group if agreeing else None)
+    changed = any(not torch.equal(b, p) for b, p in zip(before, m.parameters()))
+    return done.skipped, done.nonfinite, changed
+
+
+def _fingerprints(trainer) -> dict:
+    return {n: (p.detach().double().sum().item(), p.detach().double().square().sum().item())
+            for n, p in trainer.sharded.named_parameters()}
+
+
+@isolated
+def nonfinite_rank(ctx, cfg: dict):
+    """``--on-nonfinite skip``: 3 steps, a NaN in global rank 1's gradient of a replicated
+    parameter at step 2 (the norm counts that gradient on TP rank 0 only, so no rank's norm
+    shows it). Then ``stop``: rank 1's loss NaN at step 2. Per rank: whether each step
+    changed the parameters, the history, the fingerprints, the step and error of the stop."""
+    trainer = Trainer(TrainConfig(**cfg, on_nonfinite="skip"))
+    name = next(n for n, lay in trainer.sharded.layouts.items()
+                if isinstance(lay, shardplan.Replicate))
+
+    def poison(p):
+        if ctx.rank == 1 and trainer.step == 1:
+            p.grad.view(-1)[0] = float("nan")
+
+    trainer.sharded.get_parameter(name).register_post_accumulate_grad_hook(poison)
+    changed = []
+    for _ in range(3):
+        before = [p.detach().clone() for p in trainer.sharded.parameters()]
+        trainer.train_step()
+        changed.append(any(not torch.equal(b, p)
+                           for b, p in zip(before, trainer.sharded.parameters())))
+    trainer.check_replicas()
+    out = {"changed": changed, "history": trainer.history, "fingerprints": _fingerprints(trainer),
+           "tp_rank": trainer.tp_rank}
+    stopper = Trainer(TrainConfig(**cfg, on_nonfinite="stop"))
+    if ctx.rank == 1:
+        stopper.sharded.register_forward_hook(
+            lambda m, args, o: _nan_loss(m, args, o) if stopper.step == 1 else None)
+    try:
+        for _ in range(3):
+            stopper.train_step()
+        out["stopped"] = None
+    except NonFiniteError as e:
+        out["stopped"] = (stopper.step, str(e))
+    return out
 
 
 # -- the loss scaler on real ranks --------------------------------------------------------

@@ -38,10 +38,13 @@ clipping that is correct under TP. ``--bf16``: ``torch.autocast`` to bfloat16
 with dynamic loss scaling (``TPGradScaler``, on CPU too): gradients are
 unscaled before clipping, and an inf/nan in any rank's gradients makes every
 rank skip the step and back the scale off, so no rank steps alone; the scale
-is logged and saved with the checkpoint. A step whose gradient is not finite
-is skipped in every mode. ``--recompute``: each block's activations are
-recomputed in backward (``parallelize(recompute=True)``), with the dropout
-masks of the first pass. ``--compile [BACKEND]``: ``parallelize(compile=...)``,
+is logged and saved with the checkpoint. Outside that scaling, a NaN or inf
+loss or gradient norm on any rank is agreed over every rank (one all-gather
+of two flags): ``--on-nonfinite stop`` (the default) raises ``NonFiniteError``
+on every rank naming the step, the ranks and the value; ``skip`` skips the
+step on every rank, with a warning and a count of skipped steps.
+``--recompute``: each block's activations are recomputed in backward
+(``parallelize(recompute=True)``), with the dropout masks of the first pass. ``--compile [BACKEND]``: ``parallelize(compile=...)``,
 the sharded graph (or each block, with --recompute or --fsdp) under
 ``torch.compile`` with ``fullgraph=True`` (default backend inductor).
 
@@ -88,7 +91,7 @@ from ..api import parallelize
 from ..models.factory import call_factory, import_factory
 from ..runtime.consistency import agree, assert_same_across, check_replicas
 from ..runtime.comm import TorchGroup
-from ..errors import CommunicationError, ConfigurationError
+from ..errors import CommunicationError, ConfigurationError, NonFiniteError
 from .optim import (TPGradScaler, average_gradients, build_optimizer, clip_grad_norm_,
                     lr_schedule)
 from ..layouts import MeshDim
@@ -101,6 +104,7 @@ __all__ = ["TrainConfig", "Trainer", "TokenData", "build_model", "training_step"
 VOCAB = 256  # byte tokens
 FORMAT = "shardplan.train/1"
 SYNTHETIC_BYTES = 1 << 16
+NONFINITE_CHOICES = ("stop", "skip")
 
 
 def option(default, help: str, **argparse_kwargs):
@@ -142,6 +146,9 @@ class TrainConfig:
                                      "goes on (the next save waits for it)")
     resume: str | None = option(None, "a --save directory (its newest step-*) or a checkpoint "
                                       "directory", metavar="DIR")
+    on_nonfinite: str = option("stop", "a NaN or inf loss or gradient norm on any rank: "
+                                       "stop every rank with an error, or skip the step on "
+                                       "every rank", choices=NONFINITE_CHOICES)
     check_replicas_every: int = option(100, "steps between replica checks (0: only at the end)")
     bf16: bool = option(False, "bfloat16 autocast")
     fp16: bool = option(False, "float16 autocast with dynamic loss scaling; an inf/nan "
@@ -189,6 +196,9 @@ class TrainConfig:
         if self.save_every and not self.save:
             raise ConfigurationError(f"save_every={self.save_every} without a save directory",
                                      fix="pass --save DIR too")
+        if self.on_nonfinite not in NONFINITE_CHOICES:
+            raise ConfigurationError(f"on_nonfinite={self.on_nonfinite!r} is not one of "
+                                     f"{NONFINITE_CHOICES}", fix="use --on-nonfinite stop or skip")
         if self.dropout is not None and not 0 <= self.dropout < 1:
             raise ConfigurationError(f"dropout={self.dropout} must be in [0, 1)")
         if self.fsdp and self.fp16:
@@ -407,23 +417,52 @@ def _rng_of(saved: dict) -> dict:
 class StepResult:
     loss: torch.Tensor   # this replica's loss, detached
     norm: torch.Tensor   # the global gradient norm before clipping
-    skipped: bool        # the optimizer did not step (non-finite gradients)
+    skipped: bool        # the optimizer did not step (non-finite values or fp16 overflow)
     scale: float | None  # the loss scale the backward used (fp16 only)
+    #: the ranks that saw a non-finite "loss" / "grad norm" (agreed; empty: none did)
+    nonfinite: dict[str, list[int]] = field(default_factory=dict)
+
+
+def _finite_grads(model: nn.Module) -> bool:
+    """Whether this rank's own gradients (replicated ones the norm counts on one rank
+    only, too) are all finite."""
+    sums = [torch.sum(g.to_local() if isinstance(g, DTensor) else g, dtype=torch.float32)
+            for p in model.parameters() if (g := p.grad) is not None]
+    return not sums or bool(torch.isfinite(torch.stack(sums).sum()))
+
+
+def agree_nonfinite(loss: torch.Tensor, norm: torch.Tensor | None, model: nn.Module,
+                    group=None) -> dict[str, list[int]]:
+    """The ranks of ``group`` (a shardplan ``Group``; ``None``: this process alone) whose
+    loss, or gradient norm (the global one or of its own gradients; ``norm=None``: not
+    checked), is NaN or inf. One all-gather of two flags, so every rank decides alike
+    even when only one saw it. Collective over ``group``."""
+    flags = torch.tensor([not bool(torch.isfinite(loss)),
+                          norm is not None and not (bool(torch.isfinite(norm))
+                                                    and _finite_grads(model))],
+                         dtype=torch.int32)
+    if group is not None and group.size > 1:
+        flags = group.all_gather(flags.to(group.device), 0, site="non-finite check").cpu()
+    table = flags.reshape(-1, 2).tolist()
+    found = {what: [r for r, row in enumerate(table) if row[i]]
+             for i, what in enumerate(("loss", "grad norm"))}
+    return {what: ranks for what, ranks in found.items() if ranks}
 
 
 def training_step(model: nn.Module, optimizer, scaler: TPGradScaler, batch, *,
-                  config: TrainConfig, lr: float, dp_group=None) -> StepResult:
+                  config: TrainConfig, lr: float, dp_group=None, group=None) -> StepResult:
     """One optimizer step of ``model`` on ``batch = (inputs, targets)``.
 
     The step every run takes: each rank's ``Trainer.train_step`` (a sharded
     model, ``dp_group`` its data-parallel replicas) and the demo's unsharded
     reference (the plain model, no group), so the reference cannot drift from
     what it checks. Clipping counts replicated gradients once (``optim``);
-    with fp16 an overflow on any rank skips the step on every rank; otherwise
-    a non-finite norm (the same on every rank) skips it.
+    with fp16 an overflow on any rank skips the step on every rank. A non-finite
+    loss, or (without fp16) gradient norm, on any rank of ``group`` (``None``:
+    this process alone) skips it on every rank of ``group`` (``agree_nonfinite``).
     """
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+    for param_group in optimizer.param_groups:
+        param_group["lr"] = lr
     x, y = batch
     optimizer.zero_grad(set_to_none=True)
     with config.autocast(x.device.type):
@@ -437,23 +476,26 @@ def training_step(model: nn.Module, optimizer, scaler: TPGradScaler, batch, *,
         if dp_group is not None:
             average_gradients(model.parameters(), dp_group)
         norm = clip_grad_norm_(model, None)
+    # with fp16 the scaler's agreed overflow check covers the gradients
+    nonfinite = agree_nonfinite(loss, None if config.fp16 else norm, model, group)
     if config.fp16:
-        skipped = scaler.found_inf(optimizer)
-        scaler.step(optimizer)
+        skipped = bool(nonfinite) or scaler.found_inf(optimizer)
+        if not nonfinite:
+            scaler.step(optimizer)
         scaler.update()
     else:
-        skipped = not bool(torch.isfinite(norm))
+        skipped = bool(nonfinite)
         if not skipped:
             optimizer.step()
-    return StepResult(loss.detach(), norm, skipped, scale)
+    return StepResult(loss.detach(), norm, skipped, scale, nonfinite)
 
 
 class Trainer:
     """One rank of a run: the mesh, the sharded model, the optimizer, the data.
 
     ``run()`` trains up to ``config.steps`` and returns this call's losses;
-    ``history`` holds (step, loss, lr, grad norm, skipped; with fp16 the loss
-    scale the step used) per step taken.
+    ``history`` holds (step, loss, lr, grad norm, skipped, the skipped steps so far;
+    with fp16 the loss scale the step used) per step taken.
     """
 
     def __init__(self, config: TrainConfig):
@@ -488,7 +530,9 @@ class Trainer:
                                          weight_decay=config.weight_decay)
         # agreed over the world: TP ranks hold different shards, replicas different batches
         self.scaler = TPGradScaler(self.device.type, enabled=config.fp16)
+        self.world_group = TorchGroup()  # the ranks that agree on a non-finite step
         self.step = 0  # optimizer steps taken
+        self.skipped_steps = 0  # of them, those whose optimizer step was skipped
         self.history: list[dict] = []
         self.pending: checkpoint.PendingSave | None = None  # an --async-save under way
         if config.resume:
@@ -501,19 +545,27 @@ class Trainer:
         batch = tuple(t.to(self.device, non_blocking=True)
                       for t in self.data.batch(step, self.dp_rank))
         done = training_step(self.sharded, self.optimizer, self.scaler, batch, config=c, lr=lr,
-                             dp_group=self.dp_group)
+                             dp_group=self.dp_group, group=self.world_group)
+        if done.nonfinite and c.on_nonfinite == "stop":  # the same decision on every rank
+            raise NonFiniteError(f"step {step + 1}: {_nonfinite_text(done.nonfinite)}",
+                                 where="shardplan.train (--on-nonfinite stop)",
+                                 fix="lower --lr or check the data; --on-nonfinite skip skips "
+                                     "such steps on every rank instead")
+        self.skipped_steps += done.skipped
         if done.skipped and self.rank == 0:
-            why = (f"inf/nan gradients at loss scale {done.scale:g}, backed off to "
-                   f"{self.scaler.get_scale():g}" if c.fp16 else f"gradient norm {done.norm.item()}")
-            print(f"shardplan.train: step {step + 1}: {why}; step skipped",
-                  file=sys.stderr, flush=True)
+            why = (_nonfinite_text(done.nonfinite) if done.nonfinite else
+                   f"inf/nan gradients at loss scale {done.scale:g}, backed off to "
+                   f"{self.scaler.get_scale():g}")
+            print(f"shardplan.train: step {step + 1}: {why}; step skipped "
+                  f"({self.skipped_steps} skipped so far)", file=sys.stderr, flush=True)
         mean = done.loss.float().reshape(1)
         for group in self.dims.dp_groups:  # the sum over every data-parallel rank
             dist.all_reduce(mean, group=group.pg)
         mean /= self.dp
         self.step += 1
         record = {"step": self.step, "loss": mean.item(), "lr": lr,
-                  "grad_norm": done.norm.item(), "skipped": done.skipped}
+                  "grad_norm": done.norm.item(), "skipped": done.skipped,
+                  "skipped_steps": self.skipped_steps}
         if c.fp16:
             record["scale"] = done.scale
         self.history.append(record)
@@ -540,6 +592,7 @@ class Trainer:
                 print(f"step {self.step:>6}/{c.steps} | loss {rec['loss']:.4f} | "
                       f"lr {rec['lr']:.3e} | grad norm {rec['grad_norm']:.4f} | "
                       + (f"scale {rec['scale']:g} | " if c.fp16 else "")
+                      + (f"skipped {rec['skipped_steps']} | " if rec["skipped_steps"] else "")
                       + f"{rate:,.0f} tok/s", flush=True)
                 t_log, since = now, 0
             if c.check_replicas_every and self.step % c.check_replicas_every == 0:
@@ -586,7 +639,8 @@ class Trainer:
     # -- checkpoints -------------------------------------------------------
     def extra(self) -> dict:
         c = self.config
-        return {"format": FORMAT, "step": self.step, "data": self.data.position(self.step),
+        return {"format": FORMAT, "step": self.step, "skipped_steps": self.skipped_steps,
+                "data": self.data.position(self.step),
                 "rng": _rng_json(self.tracker.get_states()),
                 "scaler": self.scaler.state_dict(),  # {} without fp16
                 "config": {"model": c.model, "tp": self.tp, "dp": self.dp,
@@ -648,6 +702,7 @@ class Trainer:
             warnings.warn(f"the data has {len(self.data.tokens)} tokens; the checkpoint was "
                           f"trained on {data.get('tokens')}", stacklevel=2)
         self.step = int(extra["step"])
+        self.skipped_steps = int(extra.get("skipped_steps", 0))
         self.tracker.set_states(_rng_of(extra["rng"]))
         if extra.get("scaler"):  # the loss scale and growth tracker (a no-op without fp16)
             self.scaler.load_state_dict(extra["scaler"])
@@ -669,6 +724,12 @@ class Trainer:
               f"{f', compiled ({c.compile})' if c.compile else ''}; global batch "
               f"{self.data.global_batch_size} x {c.seq_len} tokens; "
               f"data {c.data or 'synthetic'}", flush=True)
+
+
+def _nonfinite_text(found: dict[str, list[int]]) -> str:
+    """``{"loss": [1]}`` as ``non-finite loss on rank 1``."""
+    return "; ".join(f"non-finite {what} on rank{'s' * (len(ranks) > 1)} "
+                     f"{', '.join(map(str, ranks))}" for what, ranks in found.items())
 
 
 _STEP_DIR = re.compile(r"step-(\d+)$")
