@@ -21,7 +21,7 @@ import torch.nn as nn
 import shardplan
 from shardplan.planner import shared_capture
 from shardplan.planner.capture import capture
-from shardplan.ranks import SimulatedRanks
+from shardplan.ranks import RealRanks, SimulatedRanks
 from shardplan.runtime.comm import Rendezvous, ThreadGroup
 
 from planner_cases import batch, make_model, reference
@@ -205,6 +205,37 @@ def test_a_share_keeps_its_most_recent_captures_only(exports):
         capture(variants["one parameter's shape"], (x,))  # evicts base's capture
         capture(copy.deepcopy(base), (x,))
     assert exports[0] == 3
+
+
+_WORKER_EXPORTS = [0]  # torch.export.export calls in this process (a RealRanks worker)
+
+
+def _count_exports(ctx, model, x):
+    """Capture ``model`` on this worker; the worker's export count so far."""
+    if not getattr(torch.export.export, "counted", False):
+        real = torch.export.export
+
+        def counted(*args, **kwargs):
+            _WORKER_EXPORTS[0] += 1
+            return real(*args, **kwargs)
+
+        counted.counted = True
+        torch.export.export = counted
+    capture(model, (x,))
+    capture(copy.deepcopy(model), (x,))  # the same run's share serves the copy
+    return _WORKER_EXPORTS[0]
+
+
+@pytest.mark.real
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("keep", [False, True], ids=["per-run", "kept"])
+def test_real_workers_share_a_run_and_keep_captures_when_asked(keep):
+    """A RealRanks worker exports a model once a run (its copy shares it); with
+    ``keep_captures`` a later run exports nothing, without it the model anew."""
+    x, base, _ = _variants()
+    with RealRanks(2, keep_captures=keep) as ranks:
+        assert ranks.run(_count_exports, base, x) == [1, 1]
+        assert ranks.run(_count_exports, base, x) == ([1, 1] if keep else [2, 2])
 
 
 def _graph_tensors(gm: nn.Module, model: nn.Module) -> dict:
