@@ -671,15 +671,8 @@ def main(argv=None) -> int:
     unknown = [f for f in selected if f not in known]
     if unknown:
         ap.error(f"unknown families: {', '.join(unknown)}")
-    load_before, t0 = os.getloadavg(), time.perf_counter()
-    for results in survey(selected, not args.no_export):  # the doc is rewritten after each family
-        done = "" if len(results) == len(selected) else \
-            f" (in progress: {len(results)} of {len(selected)} done)"
-        text = document(results, selection + done, (load_before[0], os.getloadavg()[0]),
-                        time.perf_counter() - t0)
-        if write:
-            write_sections(hf=text)
-    print(text)
+    _rewritten_as_it_goes(survey(selected, not args.no_export), len(selected), selection,
+                          document, lambda text: write_sections(hf=text) if write else None)
     if not (args.families or args.quick):  # the default run and --all: the libraries too
         survey_library_section(list(library_models.MODELS), "all", write)
     return 0
@@ -687,14 +680,21 @@ def main(argv=None) -> int:
 
 def survey_library_section(chosen: list[str], selection: str, write: bool) -> None:
     """Survey the other libraries' models; their section is rewritten after each one."""
+    _rewritten_as_it_goes(survey_libraries(chosen), len(chosen), selection, library_section,
+                          lambda text: write_sections(libraries=text) if write else None)
+
+
+def _rewritten_as_it_goes(runs, total: int, selection: str, render, write) -> None:
+    """Render each partial result of ``runs`` (results so far, ``total`` in the end) with
+    the selection, the load before and now and the time taken; ``write`` each, print the
+    last."""
     load_before, t0 = os.getloadavg(), time.perf_counter()
-    for results in survey_libraries(chosen):
-        done = "" if len(results) == len(chosen) else \
-            f" (in progress: {len(results)} of {len(chosen)} done)"
-        text = library_section(results, selection + done, (load_before[0], os.getloadavg()[0]),
-                               time.perf_counter() - t0)
-        if write:
-            write_sections(libraries=text)
+    text = ""
+    for results in runs:
+        done = "" if len(results) == total else f" (in progress: {len(results)} of {total} done)"
+        text = render(results, selection + done, (load_before[0], os.getloadavg()[0]),
+                      time.perf_counter() - t0)
+        write(text)
     print(text)
 
 
