@@ -365,6 +365,28 @@ def test_real_stuck_rank_is_named_and_pool_killed():
         assert not ranks.alive and not any(p.is_alive() for p in procs)
 
 
+def _environment(ctx, name):
+    return os.environ.get(name), os.getppid()
+
+
+@pytest.mark.real
+@pytest.mark.timeout(90)
+def test_real_workers_take_the_pools_environment_not_the_fork_servers(monkeypatch):
+    """Workers fork from a server started with the first pool: a pool started after the
+    environment changed sees the change (and one removed is gone), on every rank."""
+    monkeypatch.setenv("SHARDPLAN_TEST_ENV", "before")
+    with RealRanks(2) as first:
+        assert [v for v, _ in first.run(_environment, "SHARDPLAN_TEST_ENV")] == ["before"] * 2
+    monkeypatch.setenv("SHARDPLAN_TEST_ENV", "after")
+    with RealRanks(2) as second:
+        got = second.run(_environment, "SHARDPLAN_TEST_ENV")
+        assert [v for v, _ in got] == ["after"] * 2
+        assert all(parent != os.getpid() for _, parent in got)  # forked by the server
+    monkeypatch.delenv("SHARDPLAN_TEST_ENV")
+    with RealRanks(1) as third:
+        assert third.run(_environment, "SHARDPLAN_TEST_ENV")[0][0] is None
+
+
 @pytest.mark.real
 @pytest.mark.timeout(60)
 def test_real_closed_pool_refuses():

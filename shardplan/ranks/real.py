@@ -3,11 +3,14 @@
     with RealRanks(2) as ranks:
         ranks.run(fn, x)      # fn(ctx, x) on every rank; fn a top-level function
 
-Workers are spawned lazily by the first ``run()`` (or by ``start()``), each
+Workers are started lazily by the first ``run()`` (or by ``start()``), each
 joins one gloo process group over a ``TCPStore`` held by this process on
 127.0.0.1 (collective timeout = ``timeout``; one torch thread per worker),
-and then serves tasks. Spawning costs about 1 s for 1-2 ranks (``spawn_seconds``
-holds the last). Tasks and results travel as plain pickles
+and then serves tasks. They fork from multiprocessing's fork server, which
+imports torch and this package once per process: the first pool costs the
+imports (seconds), later pools and respawns a fraction of a second
+(``spawn_seconds`` holds the last). A worker takes the environment of the
+pool's process as it is when the pool starts, not the server's. Tasks and results travel as plain pickles
 through one pipe per worker, so every rank gets its own copy of the
 arguments (nothing is shared memory) and returned tensors are detached,
 compacted CPU copies.
@@ -85,14 +88,16 @@ class RealRanks(Ranks):
         if self._procs:
             return
         t0 = time.monotonic()
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload([__name__])  # a worker forks with torch imported
         self._store = dist.TCPStore(_HOST, 0, is_master=True, wait_for_workers=False,
                                     timeout=timedelta(seconds=self.timeout))
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=_worker, name=f"shardplan-rank{rank}", daemon=True,
                             args=(rank, self.world_size, self._store.port, self.timeout,
-                                  self.startup_timeout, self.keep_captures, child))
+                                  self.startup_timeout, self.keep_captures, dict(os.environ),
+                                  child))
             p.start()
             child.close()
             self._procs.append(p)
@@ -287,8 +292,12 @@ def report_slack(timeout: float) -> float:
 
 
 def _worker(rank: int, n: int, port: int, timeout: float, startup: float, keep_captures: bool,
-            conn) -> None:
-    """Body of one worker process: join the group, then serve tasks until told to stop."""
+            environ: dict, conn) -> None:
+    """Body of one worker process: join the group, then serve tasks until told to stop.
+    Forked from the fork server, it takes the pool's environment as it is now."""
+    os.environ.clear()
+    os.environ.update(environ)
+    dist.set_debug_level_from_env()
     if sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
