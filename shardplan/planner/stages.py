@@ -380,7 +380,11 @@ def _overflow(cut: _Stages, starts: list[int], n: int, share: float, layers: str
 
 
 def _size(n: float) -> str:
-    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n:.0f} B"
+    """``1.50 MiB``, ``12.00 KiB`` or ``900 B``."""
+    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
 
 
 def _estimate(cut: _Stages, starts: list[int], n: int, memory_limit: int | None,
