@@ -207,3 +207,14 @@ def test_cli_plan_shows_the_stages(capsys):
         "bubble (p-1)/m = 25.0%" in out, out
     assert "layers.0 + embedding" in out and "layers.1 + head" in out
     assert out.count("  FITS") == 2 and "memory limit per rank 74.51 GiB" in out, out
+
+
+def test_html_report_shows_the_stages():
+    vocab = 1024
+    p = _plan(WidthsLM([16] * 6, vocab, 16), vocab, pp=2, gpu_memory=_state0(3, vocab) - 1)
+    page = p.to_html()
+    section = page.split('<section id="pipeline"')[1].split("</section>")[0]
+    assert section.count('class="stage-row"') == 2 and section.count(">FITS<") == 2
+    assert "blocks.0-1 + embedding" in section and "blocks.2-5 + head" in section
+    assert "bubble (p-1)/m = 50.0%" in section
+    assert '<section id="pipeline"' not in _plan(WidthsLM([16] * 2, vocab, 16), vocab).to_html()
