@@ -20,7 +20,9 @@ data parallelism):
   each op really keeps (the fused attention's log-sum-exp, not s x s
   probabilities) come from the captured graph, not from a formula. With
   ``recompute`` a block keeps only its inputs. Blocks planned once (block 1
-  of a truncated list) are counted once per real block.
+  of a truncated list) are counted once per real block. The same run
+  (``fake_run``) counts each block's FLOPs and the parameters it reads, for
+  the pipeline's stages (``stages``).
 
 The peak is their sum, a deliberate upper bound: gradients and activations
 are both alive at the start of backward only for the last blocks, and the

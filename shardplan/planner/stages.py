@@ -266,9 +266,8 @@ class _Units:
     def __init__(self, plan, run, captured, layers: str, n: int, recompute: bool):
         names = [f"{layers}.{i}" for i in range(n)]
         labels = [stand_in(name, captured) for name in names]
-        self.n, self.recompute = n, recompute
-        self.flops = [run.flops.get(label, 0) for label in labels]
-        self.saved = [run.bytes.get(label, 0) for label in labels]
+        flops = [run.flops.get(label, 0) for label in labels]
+        saved = [run.bytes.get(label, 0) for label in labels]
         self.ends = {part: (run.flops.get(part, 0), run.bytes.get(part, 0))
                      for part in (BEFORE, AFTER)}
         owned = [0] * n
@@ -283,9 +282,8 @@ class _Units:
             where = {names.index(r) if r in names else r for r in readers} - {None} or {BEFORE}
             self.outside[p.name] = (numel, where)
         self.owned = [0, *itertools.accumulate(owned)]
-        self._time = [0, *itertools.accumulate(
-            f * (4 if recompute else 3) for f in self.flops)]
-        self._saved = [0, *itertools.accumulate(self.saved)]
+        self._time = [0, *itertools.accumulate(f * (4 if recompute else 3) for f in flops)]
+        self._saved = [0, *itertools.accumulate(saved)]
 
     def parts(self, k: int, stages: int) -> list[str]:
         return [part for part, on in ((BEFORE, k == 0), (AFTER, k == stages - 1)) if on]
