@@ -24,6 +24,7 @@ from pathlib import Path
 
 from .errors import ShardplanError, TargetError
 from .models import PRESETS
+from .planner.stages import SCHEDULES as STAGE_SCHEDULES
 from .targets import build_target
 
 
@@ -52,7 +53,8 @@ def _cmd_plan(args) -> int:
              dp=args.dp, dp_replicate=args.dp_replicate, dp_shard=args.dp_shard,
              fsdp=args.fsdp, recompute=args.recompute, dtype=args.dtype,
              optimizer=None if args.optimizer == "none" else args.optimizer,
-             gpu_memory=args.gpu_memory, rules=args.rules)
+             gpu_memory=args.gpu_memory, rules=args.rules, pp=args.pp, schedule=args.schedule,
+             microbatches=args.microbatches, virtual_stages=args.virtual_stages)
     print(p.report())
     for path, text in ((args.json, p.to_json), (args.html, p.to_html)):
         if path:
@@ -142,6 +144,15 @@ def parser() -> argparse.ArgumentParser:
                    help="parameter and activation dtype (default: the model's)")
     m.add_argument("--optimizer", choices=("adamw", "sgd", "none"), default="adamw")
     m.add_argument("--gpu-memory", metavar="SIZE", help="say whether the peak fits, e.g. 80GB")
+    s = p.add_argument_group("pipeline stages (estimated when --pp is given)")
+    s.add_argument("--pp", type=_positive("pp"),
+                   help="pipeline stages: the blocks cut by FLOPs, each rank within --gpu-memory")
+    s.add_argument("--schedule", default="1f1b", choices=list(STAGE_SCHEDULES),
+                   help="the pipeline schedule (default 1f1b)")
+    s.add_argument("--microbatches", type=_positive("microbatches"),
+                   help="microbatches a batch is cut into (default: --pp)")
+    s.add_argument("--virtual-stages", type=_positive("virtual-stages"),
+                   help="stages per rank of --schedule interleaved (default 2)")
     p.set_defaults(run=_cmd_plan)
 
     v = sub.add_parser("verify",

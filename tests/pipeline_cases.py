@@ -44,7 +44,8 @@ def reference(model, data, loss_fn=None) -> tuple[list[float], dict]:
 def train_rank(ctx, model, data, schedule: str, microbatches: int):
     """AdamW steps through the pipeline: (losses broadcast to this rank, the loss
     ``step`` returns here without broadcasting, this rank's parameters by FQN, the
-    stages it holds, whether ``model`` was left as it was)."""
+    stages it holds, whether ``model`` was left as it was, the planner's estimate of
+    the parameter elements of this rank's stages)."""
     dims = ParallelDims(pp=ctx.world_size).with_mesh("cpu")
     pipe = pipeline_parallel(model, data[0][0], dims=dims, microbatches=microbatches,
                              schedule=schedule)
@@ -59,7 +60,8 @@ def train_rank(ctx, model, data, schedule: str, microbatches: int):
         opt.step()
     untouched = all("_orig_forward" not in vars(m) for m in model.modules())
     return (losses, None if local is None else local.item(),
-            {n: p.detach() for n, p in pipe.named_parameters()}, sorted(pipe.modules), untouched)
+            {n: p.detach() for n, p in pipe.named_parameters()}, sorted(pipe.modules), untouched,
+            estimated_elements(pipe, ctx.rank))
 
 
 def train_tp_rank(ctx, model, data, schedule: str, microbatches: int, tp: int,
@@ -67,7 +69,8 @@ def train_tp_rank(ctx, model, data, schedule: str, microbatches: int, tp: int,
     """AdamW steps through a pipeline of ``world / tp`` stages, each sharded over ``tp``
     ranks: (losses broadcast to this rank, this rank's parameters by FQN, their layouts
     over the tp group, the stages it holds, this rank's shard of each ``tied`` FQN its
-    stages hold, after every step)."""
+    stages hold, after every step, the planner's estimate of the parameter elements of
+    this rank's stages)."""
     dims = ParallelDims(pp=ctx.world_size // tp, tp=tp).with_mesh("cpu")
     pipe = pipeline_parallel(model, data[0][0], dims=dims, microbatches=microbatches,
                              schedule=schedule, loss_fn=loss_fn)
@@ -81,4 +84,9 @@ def train_tp_rank(ctx, model, data, schedule: str, microbatches: int, tp: int,
                            for n, t in m.rank_tensors.items() if n in tied})
     layouts = {n: str(lay) for m in pipe.modules.values() for n, lay in m.layouts.items()}
     return (losses, {n: p.detach() for n, p in pipe.named_parameters()}, layouts,
-            sorted(pipe.modules), tied_steps)
+            sorted(pipe.modules), tied_steps, estimated_elements(pipe, ctx.rank // tp))
+
+
+def estimated_elements(pipe, pp_rank: int) -> int:
+    """The parameter elements per rank the planner estimated for ``pp_rank``'s stages."""
+    return sum(s.params for s in pipe.estimate.stages if s.pp_rank == pp_rank)

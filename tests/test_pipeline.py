@@ -21,8 +21,9 @@ import pipeline_cases as cases
 from shardplan import ConfigurationError
 from shardplan.layouts import Placement, Shard
 from shardplan.models import build
-from shardplan.parallel.pipeline import balance, check_config, one_form, pipeline_parallel
+from shardplan.parallel.pipeline import check_config, one_form, pipeline_parallel
 from shardplan.parallel_dims import ParallelDims
+from shardplan.planner.stages import balance
 
 RTOL, ATOL = 1e-5, 1e-4
 
@@ -50,8 +51,9 @@ def test_pipeline_trains_like_one_process(real_ranks, name, schedule, microbatch
     runs = real_ranks(2).run(cases.train_rank, model, data, schedule, microbatches)
     total = sum(p.numel() for p in model.parameters())
     held = set()
-    for rank, (losses, local, params, stages, untouched) in enumerate(runs):
+    for rank, (losses, local, params, stages, untouched, estimated) in enumerate(runs):
         torch.testing.assert_close(losses, expected, rtol=RTOL, atol=0, msg=f"rank {rank}")
+        assert estimated == sum(t.numel() for t in params.values()), (rank, estimated)
         assert (local is not None) == (rank == 1), f"rank {rank}: step returned {local}"
         assert stages == [rank] and untouched
         for n, t in params.items():
@@ -74,8 +76,9 @@ def test_interleaved_runs_two_stages_per_rank(real_ranks):
     data = cases.batches(64)
     expected, state = cases.reference(model, data)
     runs = real_ranks(2).run(cases.train_rank, model, data, "interleaved", 2)
-    for rank, (losses, _, params, stages, _) in enumerate(runs):
+    for rank, (losses, _, params, stages, _, estimated) in enumerate(runs):
         torch.testing.assert_close(losses, expected, rtol=RTOL, atol=0, msg=f"rank {rank}")
+        assert estimated == sum(t.numel() for t in params.values()), (rank, estimated)
         assert stages == [rank, rank + 2]
         for n, t in params.items():
             torch.testing.assert_close(t, state[n], rtol=0, atol=ATOL, msg=f"rank {rank} {n}")
@@ -88,6 +91,11 @@ TIED = ("transformer.wte.weight", "lm_head.weight")
 #: (model, schedule, microbatches, blocks, stages per rank) of the pp 2 x tp 2 runs
 TP_RUNS = [("gpt", "1f1b", 2, 2, 1), ("gpt", "interleaved", 2, 4, 2),
            ("hf-gpt2", "1f1b", 2, 2, 1)]
+#: models whose stages, each planned alone, split their parameters as the whole-model
+#: plan does, so the planner's per-stage estimate is their parameters (within 5%); HF
+#: GPT-2's last stage planned alone keeps its block's attn.c_proj.weight replicated,
+#: which the whole-model plan splits (2048 elements more than estimated on each rank)
+PLANNED_ALIKE = ("gpt",)
 
 
 def _tied_model(name: str, blocks: int):
@@ -123,9 +131,12 @@ def test_tensor_parallel_stages_train_like_one_process(real_ranks, name, schedul
                                    tp, TIED, *([] if loss_fn is None else [loss_fn]))
     total = sum(p.numel() for p in model.parameters())
     held = set()
-    for rank, (losses, params, layouts, stages, _) in enumerate(runs):
+    for rank, (losses, params, layouts, stages, _, estimated) in enumerate(runs):
         pp_rank, tp_rank = divmod(rank, tp)
         torch.testing.assert_close(losses, expected, rtol=RTOL, atol=0, msg=f"rank {rank}")
+        held_here = sum(t.numel() for t in params.values())
+        if name in PLANNED_ALIKE:
+            assert abs(estimated - held_here) <= 0.05 * held_here, (rank, estimated, held_here)
         assert stages == list(range(pp_rank, pp * per_rank, pp)), (rank, stages)
         for n, t in params.items():
             torch.testing.assert_close(t, _slice(state[n], layouts[n], tp_rank, tp), rtol=0,

@@ -16,11 +16,14 @@ The cut:
    layers; ``layers=`` names another); the embedding stays on the first
    stage, the head on the last, with the loss the schedule computes there
    (``loss_fn(output, targets)``, by default the cross-entropy of the logits);
-2. the blocks are divided into contiguous runs, one per stage, by a cost per
-   block: the block's parameter count, runs chosen so that the largest
-   stage cost is as small as it can be (``balance``; stages may hold
-   different numbers of blocks). The FLOP-based cost of the planner's
-   step-time model is the next step; embedding and head are not counted yet;
+2. the blocks are divided into contiguous runs, one per stage, by the
+   planner (``shardplan.plan(..., pp=)``, ``planner.stages``): by the FLOPs
+   of each block, the embedding's and the head's and loss's, from a
+   fake-tensor run of the captured graph, runs chosen so that the largest
+   stage time is as small as it can be, every rank within ``memory_limit``
+   when given (parameters, gradients, AdamW state and the activations of the
+   microbatches the schedule keeps in flight); stages may hold different
+   numbers of blocks. ``Pipeline.estimate`` keeps the planner's stages;
 3. torch's tracer (``torch.distributed.pipelining.pipeline`` with a
    ``SplitPoint.BEGINNING`` at each stage's first block) exports the model
    on one microbatch and splits the graph there; each rank builds
@@ -55,8 +58,6 @@ pipeline is not yet supported.
 from __future__ import annotations
 
 import copy
-import itertools
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -71,6 +72,8 @@ from ..api import parallelize
 from ..errors import ConfigurationError
 from ..layouts import MeshDim
 from ..parallel_dims import ParallelDims
+from ..planner.plan import plan
+from ..planner.stages import PipelineEstimate, check_microbatches, check_schedule, find_layers
 from ..runtime.comm import Group
 from ..sharded import ShardedModule
 from ..torch_compat import pytree
@@ -81,10 +84,7 @@ SCHEDULES = {
     "1f1b": (Schedule1F1B, False),
     "interleaved": (ScheduleInterleaved1F1B, True),
 }
-#: schedules that need at least as many microbatches as pp ranks
-NEED_PP_MICROBATCHES = ("1f1b", "interleaved")
-#: stages per rank of the interleaved schedule when ``virtual_stages`` is not given
-DEFAULT_VIRTUAL = 2
+_WHERE = "pipeline_parallel"
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -92,111 +92,43 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
 
 
-def find_layers(model: nn.Module, layers: str | None = None) -> str:
-    """The FQN of ``model``'s block list: ``layers`` if given, else its largest
-    ``nn.ModuleList``."""
-    lists = {n: m for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)}
-    if layers is not None:
-        if layers not in lists:
-            raise ConfigurationError(
-                f"layers={layers!r} is not a non-empty nn.ModuleList of {type(model).__name__}",
-                where="pipeline_parallel",
-                fix=f"name one of {sorted(lists) or 'its nn.ModuleLists (it has none)'}")
-        return layers
-    if not lists:
-        raise ConfigurationError(
-            f"{type(model).__name__} has no nn.ModuleList of blocks to cut into stages",
-            where="pipeline_parallel",
-            fix="hold the repeated layers in an nn.ModuleList and pass its name as layers=")
-    return max(lists, key=lambda n: len(lists[n]))
-
-
-def block_costs(model: nn.Module, layers: str) -> list[int]:
-    """The cost of each block of ``layers``: its parameter count."""
-    return [sum(p.numel() for p in block.parameters())
-            for block in model.get_submodule(layers)]
-
-
-def balance(costs: list[int], stages: int) -> list[int]:
-    """The first block of each of ``stages`` contiguous non-empty runs of ``costs``
-    whose largest sum is the smallest possible (of equal ones, the earliest cuts)."""
-    n = len(costs)
-    prefix = [0, *itertools.accumulate(costs)]
-    # best[k][i]: the smallest largest sum of k runs over the first i blocks
-    best = [[math.inf] * (n + 1) for _ in range(stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0
-    for k in range(1, stages + 1):
-        for i in range(k, n - (stages - k) + 1):
-            for j in range(k - 1, i):
-                worst = max(best[k - 1][j], prefix[i] - prefix[j])
-                if worst < best[k][i]:
-                    best[k][i], cut[k][i] = worst, j
-    starts, i = [], n
-    for k in range(stages, 0, -1):
-        i = cut[k][i]
-        starts.append(i)
-    return starts[::-1]
-
-
 def check_config(model: nn.Module, inputs: tuple, dims: ParallelDims, microbatches: int,
                  schedule: str, virtual_stages: int | None, layers: str) -> int:
     """Validate the arguments of ``pipeline_parallel``; the number of stages per rank."""
-    if schedule not in SCHEDULES:
-        raise ConfigurationError(f"unknown schedule {schedule!r}", where="pipeline_parallel",
-                                 fix=f"pass schedule= one of {list(SCHEDULES)}")
-    multi = SCHEDULES[schedule][1]
-    per_rank = (DEFAULT_VIRTUAL if multi else 1) if virtual_stages is None else virtual_stages
-    if not isinstance(per_rank, int) or isinstance(per_rank, bool) or per_rank < 1 \
-            or (per_rank > 1 and not multi):
-        raise ConfigurationError(
-            f"virtual_stages={virtual_stages!r} with schedule={schedule!r}",
-            where="pipeline_parallel",
-            fix="pass virtual_stages (an int >= 1, stages per rank) only with "
-                "schedule='interleaved'")
+    per_rank = check_schedule(schedule, virtual_stages, known=list(SCHEDULES), where=_WHERE)
     if dims.pp < 2:
         raise ConfigurationError(
-            f"{dims}: pipeline_parallel needs pp >= 2 stages", where="pipeline_parallel",
+            f"{dims}: pipeline_parallel needs pp >= 2 stages", where=_WHERE,
             fix="pass dims=ParallelDims(pp=..., tp=...).with_mesh(device) with pp >= 2, or "
                 "shardplan.parallelize for tensor parallelism alone")
     if dims.dp > 1:
         raise ConfigurationError(
             f"{dims}: pipeline_parallel does not yet run data parallelism beside the "
             f"pipeline (dp_replicate={dims.dp_replicate}, dp_shard={dims.dp_shard})",
-            where="pipeline_parallel",
-            fix="pass dims=ParallelDims(pp=..., tp=...) whose pp x tp is the world size")
-    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
-        raise ConfigurationError(f"microbatches={microbatches!r} must be a positive int",
-                                 where="pipeline_parallel",
-                                 fix="pass the number of microbatches a batch is cut into")
-    rows = {t.shape[0] for t in inputs}
-    if len(rows) != 1:
-        raise ConfigurationError(
-            f"example_inputs of different batch sizes {sorted(rows)}", where="pipeline_parallel",
-            fix="pass inputs whose first dimension is the batch, the same for all")
-    if rows.pop() % microbatches:
-        raise ConfigurationError(
-            f"microbatches={microbatches} does not divide the batch of {inputs[0].shape[0]} "
-            f"rows", where="pipeline_parallel",
-            fix="pass a number of microbatches that divides the batch size")
-    if schedule in NEED_PP_MICROBATCHES and microbatches < dims.pp:
-        raise ConfigurationError(
-            f"schedule={schedule!r} needs at least pp={dims.pp} microbatches, got "
-            f"{microbatches}", where="pipeline_parallel",
-            fix=f"pass microbatches >= {dims.pp}, or schedule='gpipe'")
-    rounds = max(1, microbatches // dims.pp)
-    if multi and microbatches % rounds:
-        raise ConfigurationError(
-            f"schedule={schedule!r} runs microbatches // pp = {rounds} rounds, and "
-            f"microbatches={microbatches} is not a multiple of them", where="pipeline_parallel",
-            fix=f"pass a multiple of {dims.pp} microbatches")
-    blocks = len(model.get_submodule(layers))
-    if dims.pp * per_rank > blocks:
-        raise ConfigurationError(
-            f"{dims.pp * per_rank} stages (pp={dims.pp} x {per_rank} per rank) but "
-            f"{layers!r} has {blocks} blocks", where="pipeline_parallel",
-            fix=f"use at most {blocks} stages: fewer pp ranks or virtual_stages")
+            where=_WHERE, fix="pass dims=ParallelDims(pp=..., tp=...) whose pp x tp is the "
+                              "world size")
+    check_microbatches(microbatches, pp=dims.pp, per_rank=per_rank, schedule=schedule,
+                       rows={t.shape[0] for t in inputs},
+                       n_blocks=len(model.get_submodule(layers)), layers=layers, where=_WHERE)
     return per_rank
+
+
+def stage_plan(model: nn.Module, inputs: tuple, dims: ParallelDims, microbatches: int,
+               schedule: str, per_rank: int, layers: str,
+               memory_limit: int | str | None) -> PipelineEstimate:
+    """The planner's cut of ``model`` into stages by FLOPs, within ``memory_limit`` bytes
+    per rank (AdamW state), and each stage's estimate; ``ConfigurationError`` naming the
+    stage over the limit when no cut fits."""
+    est = plan(model, dims.tp, example_inputs=inputs, pp=dims.pp, schedule=schedule,
+               microbatches=microbatches, virtual_stages=per_rank, layers=layers,
+               gpu_memory=memory_limit).pipeline
+    if est.overflow:
+        raise ConfigurationError(
+            est.overflow, where=_WHERE,
+            fix="use more stages (pp, virtual_stages), fewer microbatches in flight "
+                "(schedule='1f1b'), tensor parallelism inside the stages, or a larger "
+                "memory_limit")
+    return est
 
 
 class Shared:
@@ -211,18 +143,20 @@ class Pipeline:
     """This rank's pipeline stages and the torch schedule that runs them."""
 
     def __init__(self, modules: dict[int, nn.Module], schedule, dims: ParallelDims,
-                 starts: list[int], shared: list[Shared], batch_shapes: list[tuple]):
+                 estimate: PipelineEstimate, shared: list[Shared], batch_shapes: list[tuple]):
         #: stage index -> this rank's stage module (parameters under the model's FQNs; a
         #: ``ShardedModule`` of it with tp > 1)
         self.modules = modules
         #: the torch schedule object
         self.schedule = schedule
+        #: the planner's stages: their blocks, parameters, FLOPs and memory per rank
+        self.estimate = estimate
         #: the first block of each stage
-        self.starts = starts
+        self.starts = estimate.starts
         self.dims = dims
         self._shared, self._batch_shapes = shared, batch_shapes
         self._group = dims.group(MeshDim.PP).pg
-        self._num_stages = len(starts)
+        self._num_stages = len(self.starts)
 
     @property
     def holds_first_stage(self) -> bool:
@@ -285,18 +219,22 @@ class Pipeline:
 def pipeline_parallel(model: nn.Module, example_inputs, *, dims: ParallelDims,
                       microbatches: int, schedule: str = "1f1b",
                       virtual_stages: int | None = None, layers: str | None = None,
-                      loss_fn: Callable = lm_loss) -> Pipeline:
+                      loss_fn: Callable = lm_loss,
+                      memory_limit: int | str | None = None) -> Pipeline:
     """Cut ``model`` into ``dims.pp`` x ``virtual_stages`` stages at block boundaries
     and build this rank's (see the module docstring). ``example_inputs``: the
     positional inputs of one batch (a tensor or a tuple), the shape every ``step``
     takes; ``microbatches``: how many pieces a batch is cut into; ``schedule``: one of
     ``SCHEDULES``; ``loss_fn(output, targets)``: the loss of one microbatch (its mean),
-    computed on the last stage. ``model`` is not changed."""
+    computed on the last stage; ``memory_limit``: bytes (or a size, "80GB") one rank may
+    hold, with AdamW state (``stage_plan``). ``model`` is not changed."""
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    layers = find_layers(model, layers)
+    layers = find_layers(model, layers, where=_WHERE)
     per_rank = check_config(model, inputs, dims, microbatches, schedule, virtual_stages, layers)
     num_stages = dims.pp * per_rank
-    starts = balance(block_costs(model, layers), num_stages)
+    estimate = stage_plan(model, inputs, dims, microbatches, schedule, per_rank, layers,
+                          memory_limit)
+    starts = estimate.starts
     group = dims.group(MeshDim.PP).pg
     pp_rank = dist.get_rank(group)
     pipe = _trace(copy.deepcopy(model), inputs, microbatches, layers, starts)
@@ -313,7 +251,7 @@ def pipeline_parallel(model: nn.Module, example_inputs, *, dims: ParallelDims,
     cls, multi = SCHEDULES[schedule]
     runner = cls(stages if multi else stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
     shared = _shared_parameters(model, pipe, num_stages, modules, group)
-    return Pipeline(modules, runner, dims, starts, shared, [tuple(t.shape) for t in inputs])
+    return Pipeline(modules, runner, dims, estimate, shared, [tuple(t.shape) for t in inputs])
 
 
 def _microbatch(inputs: tuple, microbatches: int) -> tuple:

@@ -20,7 +20,9 @@ data parallelism):
   each op really keeps (the fused attention's log-sum-exp, not s x s
   probabilities) come from the captured graph, not from a formula. With
   ``recompute`` a block keeps only its inputs. Blocks planned once (block 1
-  of a truncated list) are counted once per real block.
+  of a truncated list) are counted once per real block. The same run
+  (``fake_run``) counts each block's FLOPs and the parameters it reads, for
+  the pipeline's stages (``stages``).
 
 The peak is their sum, a deliberate upper bound: gradients and activations
 are both alive at the start of backward only for the last blocks, and the
@@ -36,6 +38,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from pydantic import BaseModel
+from torch.utils.flop_counter import FlopCounterMode
 
 from . import blocks
 from .annotation import Annotation
@@ -159,10 +162,18 @@ def state_bytes(plan, dtype: torch.dtype, *, dp_shard: int, fsdp: bool,
     size = torch.empty((), dtype=dtype).element_size()
     shard = dp_shard if fsdp else 1
     numel = sum(math.prod(p.local_shape) for p in plan.params)
-    per_param = OPTIMIZER_BYTES[optimizer] + (4 if size < 4 else 0) if optimizer else 0
     transient = 2 * _largest_block(plan) * size * (shard - 1) // shard if fsdp else 0
+    return (*elements_state(numel, dtype, shard=shard, optimizer=optimizer), transient)
+
+
+def elements_state(numel: int, dtype: torch.dtype, *, shard: int,
+                   optimizer: str | None) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer state) bytes of ``numel`` elements per rank held
+    at ``dtype``, divided over ``shard`` FSDP shards."""
+    size = torch.empty((), dtype=dtype).element_size()
+    per_param = OPTIMIZER_BYTES[optimizer] + (4 if size < 4 else 0) if optimizer else 0
     return (math.ceil(numel * size / shard), math.ceil(numel * size / shard),
-            math.ceil(numel * per_param / shard), transient)
+            math.ceil(numel * per_param / shard))
 
 
 def _largest_block(plan) -> int:
@@ -202,29 +213,36 @@ def saved_activations(model: nn.Module, captured: Captured, ann: Annotation, arg
     """(bytes outside the blocks, [bytes of each real block], blocks) rank 0 keeps for
     backward. The graph runs at the model's dtypes; floating tensors count at ``dtype``
     (ops that keep fp32 statistics under 16-bit autocast are not modelled)."""
+    names = _blocks(model, recompute)
+    run = fake_run(model, captured, ann, args, kwargs, names=names,
+                   recomputed=set(names) if recompute else set(), dtype=dtype)
+    by_block = dict(run.bytes)
+    outside = by_block.pop(None, 0)
+    return outside, [by_block.get(stand_in(name, captured), 0) for name in names], len(names)
+
+
+def fake_run(model: nn.Module, captured: Captured, ann: Annotation, args, kwargs, *,
+             names: list[str], recomputed: set, dtype: torch.dtype,
+             split_outside: bool = False) -> _Saved:
+    """Rank 0's rewritten graph run once on fake tensors, forward only: per block of
+    ``names`` (``labels``), the bytes autograd saves, the FLOPs (``FlopCounterMode``) and
+    the canonical FQNs of the parameters read."""
     gm = rewrite(ann, {d: _ShapeGroup(n) for d, n in ann.dims.items()}, gather_output=False,
                  device=torch.device("cpu"))
-    names = _blocks(model, recompute)
-    labels = _labels(gm, names)
+    labels = _labels(gm, names, split_outside)
     with FakeTensorMode(allow_non_fake_inputs=False):
         tensors = _fake_locals(model, captured, ann)
         bind(gm, tensors)
-        model_state = {t.untyped_storage()._cdata for t in tensors.values()}
+        model_state = {t.untyped_storage()._cdata: captured.aliases.get(fqn, fqn)
+                       for fqn, t in tensors.items()}
         fake_args = [_fake_like(a) for a in args]
         fake_kwargs = {k: _fake_like(v) for k, v in kwargs.items()}
-        counter = _Saved(gm, labels, model_state, dtype, set(names) if recompute else set())
+        counter = _Saved(gm, labels, model_state, dtype, recomputed)
         flat = gm.graph._codegen.process_inputs(*fake_args, **fake_kwargs)
-        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t), \
+                counter.flop_counter:
             counter.run(*flat)
-    by_block = counter.bytes
-    outside = by_block.pop(None, 0)
-    stamped = []
-    for name in names:
-        if name in by_block or not _is_truncated(name, captured):
-            stamped.append(by_block.get(name, 0))
-        else:  # a block planned by its captured stand-in (block 1)
-            stamped.append(by_block.get(_stand_in(name, captured), 0))
-    return outside, stamped, len(names)
+    return counter
 
 
 def _blocks(model: nn.Module, recompute: bool) -> list[str]:
@@ -233,20 +251,28 @@ def _blocks(model: nn.Module, recompute: bool) -> list[str]:
     return block_names(model, True) if has_list or recompute else []
 
 
-def _is_truncated(name: str, captured: Captured) -> bool:
-    return any(blocks.index_in(name, path) is not None for path in captured.truncated)
-
-
-def _stand_in(name: str, captured: Captured) -> str:
-    for path in captured.truncated:
-        if blocks.index_in(name, path) is not None:
+def stand_in(name: str, captured: Captured) -> str:
+    """The captured block that block ``name`` was planned by: itself, or block 1 of a
+    truncated list when it lies past the captured blocks."""
+    for path, (kept, _) in captured.truncated.items():
+        index = blocks.index_in(name, path)
+        if index is not None and index >= kept:
             return blocks.with_index(name, path, 1)
     return name
 
 
-def _labels(gm: fx.GraphModule, names: list[str]) -> dict[fx.Node, str | None]:
+#: the labels of the nodes outside the blocks with ``split_outside``: before the first
+#: block's (the embedding), and after it (the head and the loss)
+BEFORE, AFTER = "(before the blocks)", "(after the blocks)"
+
+
+def _labels(gm: fx.GraphModule, names: list[str],
+            split_outside: bool = False) -> dict[fx.Node, str | None]:
     """Node -> the block it belongs to, as ``outline_blocks`` cuts them: by the module
-    that produced it; nodes the rewriter inserted go with the node before them."""
+    that produced it; nodes the rewriter inserted go with the node before them. Nodes
+    outside the blocks get None, or with ``split_outside`` ``BEFORE`` until the first
+    block's node and ``AFTER`` once the last block's has run (between two blocks: the
+    block before)."""
     wanted, label = set(names), None
     out: dict[fx.Node, str | None] = {}
     for node in gm.graph.nodes:
@@ -258,6 +284,23 @@ def _labels(gm: fx.GraphModule, names: list[str]) -> dict[fx.Node, str | None]:
             label = next((".".join(parts[:i]) for i in range(1, len(parts) + 1)
                           if ".".join(parts[:i]) in wanted), None)
         out[node] = label
+    return _split_outside(gm, out) if split_outside else out
+
+
+def _split_outside(gm: fx.GraphModule, labels: dict) -> dict:
+    """``labels`` with the computing nodes outside the blocks named ``BEFORE``, ``AFTER``
+    or the block that ran before them (see ``_labels``)."""
+    order = [n for n in gm.graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
+    in_block = [i for i, n in enumerate(order) if labels[n] is not None]
+    last = in_block[-1] if in_block else -1
+    out, previous = dict(labels), None
+    for i, node in enumerate(order):
+        if labels[node] is not None:
+            previous = labels[node]
+        elif i > last:
+            out[node] = AFTER
+        else:
+            out[node] = previous or BEFORE
     return out
 
 
@@ -282,21 +325,39 @@ def _fake_like(x):
 
 
 class _Saved(fx.Interpreter):
-    """Runs the graph, charging each storage autograd saves to the running node's block."""
+    """Runs the graph, charging each storage autograd saves, the FLOPs and the model
+    state read to the running node's block (``bytes``, ``flops``, ``reads``: label ->
+    bytes, FLOPs, canonical FQNs)."""
 
-    def __init__(self, gm, labels, model_state: set, dtype, recomputed: set):
+    def __init__(self, gm, labels, model_state: dict, dtype, recomputed: set):
         super().__init__(gm)
         self.labels, self.model_state, self.recomputed = labels, model_state, recomputed
         self.size = torch.empty((), dtype=dtype).element_size()
         self.seen: set = set()
         self.bytes: dict = {}
+        self.flops: dict = {}
+        self.reads: dict = {}
         self.label = None
+        self.flop_counter = FlopCounterMode(display=False)
 
     def run_node(self, n: fx.Node):
         self.label = self.labels[n]
         if self.label in self.recomputed:
             self._keep_inputs(n)
-        return super().run_node(n)
+        self._note_reads(n)
+        before = self.flop_counter.get_total_flops()
+        out = super().run_node(n)
+        done = self.flop_counter.get_total_flops() - before
+        if done:
+            self.flops[self.label] = self.flops.get(self.label, 0) + done
+        return out
+
+    def _note_reads(self, n: fx.Node) -> None:
+        for a in n.all_input_nodes:
+            for t in _tensors(self.env[a]):
+                fqn = self.model_state.get(t.untyped_storage()._cdata)
+                if fqn is not None:
+                    self.reads.setdefault(self.label, set()).add(fqn)
 
     def _keep_inputs(self, n: fx.Node) -> None:
         for a in n.all_input_nodes:

@@ -35,6 +35,7 @@ from ..layouts import MeshDim, MeshLayout, MeshSizes, Replicate, Shard
 from ..parallel_dims import ParallelDims
 from .rules import RuleSet, load_rules
 from .shards import local_shape
+from .stages import PipelineEstimate, check_plan_arguments, estimate_pipeline
 from .transitions import Purpose, Transition, message
 
 SCHEMA_VERSION = 2
@@ -125,6 +126,9 @@ class Plan(BaseModel):
     sequence_parallel: bool = Field(
         default=False, description="activations between the regions held on 1/tp of the "
                                    "sequence (decisions with sequence=True)")
+    pipeline: PipelineEstimate | None = Field(
+        default=None, description="the pipeline's stages, their memory and the schedule's "
+                                  "bubble, when ``plan`` was given ``pp``")
     choices: list[ChoiceEntry] = Field(
         default=[], description="regions reaching a reduction over their split dim or an op "
                                 "with no rule for their parts: run it distributed, keep the "
@@ -203,7 +207,9 @@ def plan(model: nn.Module, tp: int, *, example_inputs=None, rules="megatron",
          seq: int | None = None, dp: int | None = None, dp_replicate: int | None = None,
          dp_shard: int | None = None, fsdp: bool = False, recompute: bool = False,
          dtype: torch.dtype | str | None = None, optimizer: str | None = "adamw",
-         gpu_memory: int | str | None = None) -> Plan:
+         gpu_memory: int | str | None = None, pp: int | None = None, schedule: str = "1f1b",
+         microbatches: int | None = None, virtual_stages: int | None = None,
+         layers: str | None = None) -> Plan:
     """The plan for ``model`` at ``tp``, with no process group and no real memory.
 
     Lists of identical blocks that run one after another are captured with
@@ -222,6 +228,13 @@ def plan(model: nn.Module, tp: int, *, example_inputs=None, rules="megatron",
     state (``"adamw"``, ``"sgd"`` or None), and whether the peak fits ``gpu_memory``
     (bytes, or a size such as ``"80GB"``). A bad value of any of them raises
     ``ConfigurationError`` (``memory.check_estimate_arguments``) before anything is captured.
+
+    With ``pp``, ``plan.pipeline`` cuts the blocks (``layers``: the largest
+    ``nn.ModuleList`` by default) into ``pp`` x ``virtual_stages`` stages by their FLOPs,
+    each rank's stages within ``gpu_memory``, and estimates each stage's memory per rank
+    for ``schedule`` (``stages.SCHEDULES``) with the batch cut into ``microbatches``
+    (``pp`` by default), and the schedule's bubble (``stages.estimate_pipeline``). When no
+    cut fits, a warning names the stage over the limit and by how much.
     """
     check_model_arg(model, tp)
     dtype, gpu_memory = check_estimate_arguments(
@@ -238,6 +251,10 @@ def plan(model: nn.Module, tp: int, *, example_inputs=None, rules="megatron",
     if batch is not None and seq is not None:  # given together (checked above)
         example_inputs = token_batch(model, batch, seq)
     args, kwargs = example_args(model, example_inputs)
+    if pp is not None:
+        layers, per_rank, microbatches = check_plan_arguments(
+            model, args, kwargs, pp=pp, schedule=schedule, microbatches=microbatches,
+            virtual_stages=virtual_stages, layers=layers)
     captured = _capture_stamped(model, args, kwargs)
     check_dtypes(captured.gm)
     ann = annotate(captured.gm, MeshSizes.of(tp=tp), ruleset, strict=strict,
@@ -250,6 +267,15 @@ def plan(model: nn.Module, tp: int, *, example_inputs=None, rules="megatron",
             dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, fsdp=fsdp,
             sequence_parallel=sequence_parallel, recompute=recompute, optimizer=optimizer,
             gpu_memory=gpu_memory)
+    if pp is not None:
+        p.pipeline = estimate_pipeline(
+            p, model, captured, ann, args, kwargs, pp=pp, schedule=schedule,
+            microbatches=microbatches, per_rank=per_rank, layers=layers,
+            dtype=dtype or next(model.parameters()).dtype,
+            shard=dims.dp_shard if fsdp else 1, recompute=recompute, optimizer=optimizer,
+            memory_limit=gpu_memory)
+        if p.pipeline.overflow:
+            p.warnings.append(p.pipeline.overflow)
     return p
 
 

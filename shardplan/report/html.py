@@ -6,6 +6,8 @@ network, no external fonts) that shows:
 - the warnings, first;
 - per-rank parameter memory as a bar against the unsharded model, split by
   layout;
+- the pipeline's stages when the plan has them (blocks, parameters, FLOPs
+  share, memory per rank, FITS / DOES NOT FIT, the bubble);
 - the communication per step, grouped like the text report;
 - the model as nested blocks by module path, identical consecutive blocks of
   a list drawn once ("layers 0–79 ×80"), every parameter coloured by its
@@ -35,7 +37,7 @@ from dataclasses import dataclass, field
 from ..layouts import Partial, Placement, Replicate, Shard
 from ..planner import blocks
 from ..planner.purposes import PURPOSES
-from .text import human
+from .text import BUBBLE_FORMULA, count, human, stage_blocks
 
 __all__ = ["render_html", "CATEGORIES"]
 
@@ -343,6 +345,40 @@ class _Page:
             f'held by other ranks {_e(human(saved))}</span></div>'
             '</section>')
 
+    def pipeline(self) -> str:
+        """The pipeline's stages (``plan.pipeline``): blocks, parameters, FLOPs share,
+        memory per rank and whether it fits, and the schedule's bubble."""
+        pipe = self.plan.pipeline
+        if pipe is None:
+            return ""
+        rows = []
+        for s in pipe.stages:
+            state = s.param_bytes + s.grad_bytes + s.optimizer_bytes
+            verdict = "" if s.fits is None else ("FITS" if s.fits else "DOES NOT FIT")
+            rows.append(
+                f'<tr class="stage-row" data-stage="{s.index}"><td>{s.index}</td>'
+                f'<td>{s.pp_rank}</td><td>{_e(stage_blocks(s, pipe.layers))}</td>'
+                f'<td class="num">{_e(count(s.params))}</td>'
+                f'<td class="num">{_e(count(s.flops))}</td><td class="num">{s.time_share:.1%}</td>'
+                f'<td class="num">{s.in_flight}</td><td class="num">{_e(human(s.activations))}</td>'
+                f'<td class="num">{_e(human(state))}</td><td class="num">{_e(human(s.peak))}</td>'
+                f'<td>{verdict}</td></tr>')
+        v = f", v={pipe.virtual_stages} stages per rank" if pipe.virtual_stages > 1 else ""
+        limit = "" if pipe.memory_limit is None else \
+            f"; memory limit per rank {_e(human(pipe.memory_limit))}"
+        return (
+            '<section id="pipeline" class="card">'
+            '<h2>Pipeline stages</h2>'
+            f'<div class="muted small">pp={pipe.pp}, schedule {_e(pipe.schedule)}{_e(v)}, '
+            f'{pipe.microbatches} microbatches; bubble {_e(BUBBLE_FORMULA[pipe.schedule])} = '
+            f'{pipe.bubble:.1%} of the compute time{limit}</div>'
+            '<table class="comm"><thead><tr><th>stage</th><th>rank</th><th>blocks</th>'
+            '<th class="num">params/rank</th><th class="num">FLOPs/microbatch</th>'
+            '<th class="num">time</th><th class="num">in flight</th>'
+            '<th class="num">activations</th><th class="num">state</th>'
+            '<th class="num">peak</th><th></th></tr></thead>'
+            f'<tbody>{"".join(rows)}</tbody></table></section>')
+
     def communication(self) -> str:
         groups, nbytes = Counter(), Counter()
         for c in self.plan.collectives:
@@ -567,7 +603,7 @@ class _Page:
             model=_e(plan.model), mesh=_e(str(plan.dims)), rules=_e(plan.rules), tokens=plan.tokens,
             nparams=len(plan.params), ncoll=len(plan.collectives), ndec=len(plan.decisions),
             schema=plan.schema_version, repeated=repeated,
-            warnings=self.warnings(), memory=self.memory(), communication=self.communication(),
+            warnings=self.warnings(), memory=self.memory() + self.pipeline(), communication=self.communication(),
             legend=self.legend(), blocks=blocks)
 
 

@@ -30,6 +30,8 @@ def render_text(plan, width: int = 100) -> str:
                  f"{human(m.param_bytes_unsharded)} unsharded ({ratio:.1%})")
     if m.training is not None:
         lines += _training_memory(m.training)
+    if plan.pipeline is not None:
+        lines += _pipeline(plan.pipeline)
     lines.append("\ncommunication per training step (example inputs):")
     groups = Counter()
     nbytes = Counter()
@@ -92,6 +94,57 @@ def _training_memory(t) -> list[str]:
     if t.fits is not None:
         verdict = "FITS" if t.fits else "DOES NOT FIT"
         lines.append(f"  {verdict} in {human(t.gpu_memory)} ({t.peak / t.gpu_memory:.0%} used)")
+    return lines
+
+
+#: how each schedule's bubble is computed, for the report
+BUBBLE_FORMULA = {"gpipe": "(p-1)/m", "1f1b": "(p-1)/m", "interleaved": "(p-1)/(v*m)",
+                  "zbv": "0 (ZB-V)"}
+
+
+def stage_blocks(s, layers: str) -> str:
+    """``transformer.h.0-3 + embedding``: a stage's blocks and the parts around them."""
+    first, end = s.blocks
+    text = f"{layers}.{first}" + (f"-{end - 1}" if end - first > 1 else "")
+    return text + "".join(f" + {part}" for part, on in (("embedding", s.embedding),
+                                                        ("head", s.head)) if on)
+
+
+def count(n: float) -> str:
+    """``1.23 G``: a count with a decimal prefix."""
+    for unit in ("", "K", "M", "G", "T"):
+        if abs(n) < 1000 or unit == "T":
+            return f"{n:.0f}" if unit == "" else f"{n:.2f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+def _pipeline(pipe) -> list[str]:
+    """The stages: their blocks, parameters, FLOPs share and memory per rank, the bubble."""
+    v = f", v={pipe.virtual_stages} stages per rank" if pipe.virtual_stages > 1 else ""
+    lines = [f"\npipeline: pp={pipe.pp}, schedule {pipe.schedule}{v}, {pipe.microbatches} "
+             f"microbatches; bubble {BUBBLE_FORMULA[pipe.schedule]} = {pipe.bubble:.1%} of "
+             f"the compute time",
+             f"  {'stage':5} {'rank':4} {'blocks':36} {'params/rank':>11} "
+             f"{'FLOPs/microbatch':>16} {'time':>6} {'in flight':>9} {'activations':>11} "
+             f"{'state':>11} {'peak':>11}"]
+    for s in pipe.stages:
+        state = s.param_bytes + s.grad_bytes + s.optimizer_bytes
+        verdict = "" if s.fits is None or pipe.virtual_stages > 1 else \
+            ("  FITS" if s.fits else "  DOES NOT FIT")
+        lines.append(f"  {s.index:<5} {s.pp_rank:<4} {_clip(stage_blocks(s, pipe.layers), 36):36} "
+                     f"{count(s.params):>11} {count(s.flops):>16} {s.time_share:>6.1%} "
+                     f"{s.in_flight:>9} {human(s.activations):>11} {human(state):>11} "
+                     f"{human(s.peak):>11}{verdict}")
+    if pipe.memory_limit is not None and pipe.virtual_stages > 1:
+        for rank, peak in enumerate(pipe.rank_peaks):
+            verdict = "FITS" if peak <= pipe.memory_limit else "DOES NOT FIT"
+            lines.append(f"  rank {rank}: peak {human(peak)} {verdict} in "
+                         f"{human(pipe.memory_limit)}")
+    elif pipe.memory_limit is not None:
+        lines.append(f"  memory limit per rank {human(pipe.memory_limit)}")
+    lines.append("  (time: the stage's share of the forward and backward FLOPs; state: "
+                 "parameters, gradients, optimizer)")
     return lines
 
 
