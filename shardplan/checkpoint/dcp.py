@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..errors import CheckpointError
+from ..faults import inject
 from ..runtime.comm import TorchGroup
 from ..runtime.consistency import agree
 from .chunks import LoadPlanner, SavePlanner, chunks_of
@@ -156,6 +157,7 @@ def save(sharded, path, *, optimizer: torch.optim.Optimizer | None = None,
     _collective("writing the checkpoint", path, lambda: quietly(
         dcp.save, state, checkpoint_id=str(tmp), planner=SavePlanner(),
         no_dist=not dist.is_initialized()))
+    inject("save")  # fault-injection tests only (shardplan.faults)
     agree(world, f"committing {path}", (lambda: commit_dir(tmp, Path(path))) if world.rank == 0
           else (lambda: None), error=CheckpointError)
 
