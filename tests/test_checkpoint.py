@@ -30,7 +30,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader, filesystem
 
 from shardplan.checkpoint import dcp as ck_dcp
 from shardplan.checkpoint.chunks import LoadPlanner, chunks_of
-from shardplan.checkpoint.entries import Entry
+from shardplan.checkpoint.chunks import Entry
 from shardplan.planner.shards import local_shape
 from shardplan.planner.capture import capture
 from shardplan.models import build

@@ -18,19 +18,11 @@ Face folders go in and out through DCP's HF storage.
 Every function except ``export_hf`` is collective: call it on every rank. A save
 at more than one rank needs torch.distributed (real ranks); simulated ranks
 (threads of one process) load.
-
-What torch does not know lives here: ``entries`` (the module's distinct tensors
-with their layout and full shape, tied names), ``chunks`` (a rank's blocked,
-padded shard as chunks of the full tensor, for DCP's planners), ``dcp``
-(save/load, atomic commit, the optimizer's state by parameter name), ``hf``
-(HF folders, with errors that name the file and key), ``empty`` (models
-built to be loaded) and ``pretrained`` (an HF folder in one call).
 """
 
 from .dcp import OLD_FORMAT, PendingSave, async_save, load, save
 from .empty import parameters_on_meta
-from .hf import export_hf, gather_full_state_dict, load_full_state_dict, save_hf
-from .pretrained import load_pretrained
+from .hf import export_hf, gather_full_state_dict, load_full_state_dict, load_pretrained, save_hf
 
 __all__ = ["save", "async_save", "load", "PendingSave", "OLD_FORMAT", "load_full_state_dict",
            "gather_full_state_dict", "save_hf", "export_hf", "load_pretrained",

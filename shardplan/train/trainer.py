@@ -151,9 +151,10 @@ class TrainConfig:
                                       "directory, or auto: the newest checkpoint in --save's "
                                       "directory if it has one (a torchrun restart with --save "
                                       "resumes so by itself)", metavar="DIR|auto")
-    timeout: float | None = option(None, "seconds a collective waits for its peers before it "
-                                         "raises an error naming it (default: torch's, 30 min "
-                                         "on gloo, 10 on NCCL)", metavar="SECONDS")
+    timeout: float | None = option(None, "seconds a collective of the training steps and "
+                                         "saves waits for its peers before it raises an error "
+                                         "naming it and the step (default: torch's, 30 min on "
+                                         "gloo, 10 on NCCL)", metavar="SECONDS")
     on_nonfinite: str = option("stop", "a NaN or inf loss or gradient norm on any rank: "
                                        "stop every rank with an error, or skip the step on "
                                        "every rank", choices=NONFINITE_CHOICES)
@@ -531,8 +532,6 @@ class Trainer:
         #: the parallel dims and their mesh
         self.dims = ParallelDims.for_world(self.world, **config.parallel_sizes()) \
             .with_mesh(self.device.type)
-        if config.timeout is not None:
-            _set_timeout(self.dims.mesh, config.timeout)
         self.tp, self.dp = self.dims.tp, self.dims.dp
         self.tp_rank, self.dp_rank = self.dims.tp_group.rank, self.dims.dp_rank
         #: the replicas whose gradients this rank averages (FSDP2 averages its own)
@@ -565,6 +564,8 @@ class Trainer:
         start = resume_point(config)
         if start is not None:
             self.resume(start)
+        if config.timeout is not None:  # from the first step: ranks set up at their own pace
+            _set_timeout(self.dims.mesh, config.timeout)
 
     # -- one step ----------------------------------------------------------
     def train_step(self) -> dict:
