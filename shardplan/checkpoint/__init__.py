@@ -1,9 +1,8 @@
 """Checkpoints of a parallelized model, through torch DCP (``torch.distributed.checkpoint``).
 
-One format: a DCP directory in the unsharded model's key space (full names,
-full unpadded shapes), written and read from any mesh (tp, dp_shard,
-dp_replicate, FSDP2 or not) into any other; DCP reshards on load. Hugging
-Face folders go in and out through DCP's HF storage.
+One format, a DCP directory in the unsharded model's key space, written from
+any mesh (tp, dp_shard, dp_replicate, FSDP2 or not) and read into any other;
+Hugging Face folders in and out through DCP's HF storage.
 
     save(sharded, "ck/step100", optimizer=opt, extra={"step": 100})
     pending = async_save(sharded, "ck/step200", optimizer=opt); ...; pending.wait()
@@ -15,9 +14,8 @@ Face folders go in and out through DCP's HF storage.
     full = gather_full_state_dict(sharded)             # dict on rank 0, None elsewhere
     with parameters_on_meta(): model = MyModel()       # to parallelize, then load into
 
-Every function except ``export_hf`` is collective: call it on every rank. A save
-at more than one rank needs torch.distributed (real ranks); simulated ranks
-(threads of one process) load.
+Every function but ``export_hf`` is collective. A save at more than one rank
+needs torch.distributed (real ranks); simulated ranks (threads) only load.
 """
 
 from .dcp import OLD_FORMAT, PendingSave, async_save, load, save

@@ -1,13 +1,10 @@
 """What torch does not know of a sharded module's tensors, for DCP's planners.
 
-Entries: one per distinct tensor of the module (a tied weight is one), with its
-placement over the TP group and full shape read from the tensor's spec
-(``layouts.spec_of``). Chunks: a rank's blocked shard (fused QKV) is several
-separate chunks of the global tensor, one per block, which no ``DTensor``
-placement expresses; under FSDP2 the chunks are cut from the rank's ``DTensor``
-shard of its TP shard. Padding rows are in no chunk: dropped on save, left as
-they are (zero) on load. Replicas hand in the same chunks, and DCP's planner
-keeps one writer for each.
+Entries: each distinct tensor (a tied weight is one) with its TP layout and full
+shape (``layouts.spec_of``). Chunks: a rank's blocked shard (fused QKV) is one chunk
+of the global tensor per block, which no ``DTensor`` placement expresses; under
+FSDP2 they are cut from the rank's ``DTensor`` shard of its TP shard. Padding rows
+are in no chunk (dropped on save, zero on load); DCP keeps one writer per chunk.
 """
 
 from __future__ import annotations
@@ -68,10 +65,8 @@ def entries_of(sharded) -> list[Entry]:
 
 
 def load_targets(sharded, entries: list[Entry]):
-    """(fqn -> the tensor to load each entry's chunks into, a function to call after).
-
-    The targets are the module's own tensors (their padding zeroed) or, for tensors
-    still on meta, new zero tensors that ``finish()`` then hands to the module."""
+    """(fqn -> the tensor to load each entry's chunks into, ``finish`` to call after): the
+    module's own tensors, padding zeroed, or zeros that ``finish`` gives a meta one."""
     targets, fresh = {}, {}
     with torch.no_grad():
         for e in entries:
@@ -116,12 +111,8 @@ def match_names(found: dict[str, tuple], entries: list[Entry], where: str, stric
 
 
 class Chunks:
-    """This rank's chunks of one global tensor: (global offsets, local view) pairs.
-
-    Implements the protocol DCP's planners ask a ``DTensor`` for (write items,
-    chunk list, the tensor of one chunk), with chunks a ``DTensor`` placement
-    cannot describe.
-    """
+    """This rank's chunks of one global tensor, (global offsets, local view) pairs, behind
+    the protocol DCP's planners ask a ``DTensor`` for (write items, chunks, one chunk)."""
 
     def __init__(self, shape: tuple[int, ...], pieces: list[tuple[torch.Size, torch.Tensor]]):
         self.shape, self.pieces = torch.Size(shape), pieces
@@ -140,11 +131,7 @@ class Chunks:
         return [ChunkStorageMetadata(offsets, t.size()) for offsets, t in self.pieces]
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
-        for offsets, t in self.pieces:
-            if offsets == index.offset:
-                return t
-        raise CheckpointError(f"{index.fqn} has no chunk at {list(index.offset)} here",
-                              where=index.fqn, fix="this is a shardplan bug: report it")
+        return dict(self.pieces)[index.offset]  # DCP asks only for the chunks listed
 
 
 class SavePlanner(DefaultSavePlanner):
@@ -180,8 +167,7 @@ class LoadPlanner(DefaultLoadPlanner):
 
 
 def segments(lay: Shard, full: int, rank: int, tp: int) -> list[tuple[int, int, int]]:
-    """(local start, global start, length) of each run of the TP shard along ``lay.dim``
-    that is in the full tensor (padding dropped)."""
+    """(local start, global start, length) of each run of ``lay``'s shard, padding dropped."""
     out, local, base = [], 0, 0
     for block, r in zip(lay.blocks or (lay.padded or full,), lay.block_replicas()):
         parts, index = tp // r, rank // r

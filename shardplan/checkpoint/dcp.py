@@ -7,10 +7,9 @@ unpadded shapes: ``dcp_to_torch_save``'s ``["model"]`` loads strictly into the
 plain model, and a load at another layout is DCP's own resharding.
 ``"shardplan"`` records the tied names and the optimizer class.
 
-A save is atomic: DCP writes into ``.<name>.partial`` next to ``path``, and
-rank 0 renames it into place only after DCP has written its ``.metadata`` (the
-last file, once every rank has written its part); a save that dies halfway
-leaves the previous checkpoint as it was.
+A save is atomic: DCP writes into ``.<name>.partial``, which rank 0 renames to
+``path`` only after DCP wrote its ``.metadata`` (last, once every rank wrote its
+part); a save that dies halfway leaves the previous checkpoint as it was.
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ __all__ = ["save", "async_save", "load", "PendingSave", "OLD_FORMAT", "read_meta
            "shardplan_info", "commit_dir", "fresh_staging", "quietly", "world_of"]
 
 OLD_FORMAT = "shardplan-checkpoint"  # the retired per-rank safetensors format's index tag
-_ASYNC_GROUPS: dict = {}  # default process group -> the gloo group async saves use
+_ASYNC_GROUPS: dict = {}  # the default process group -> the gloo group async saves use
 
 
 def world_of(sharded):
@@ -96,8 +95,7 @@ def _state(sharded, optimizer, extra) -> dict:
     rank, tp = sharded.group.rank, sharded.group.size
     model = {}
     for e in entries:
-        chunks = chunks_of(e.tensor, e, rank, tp)
-        model.update(dict.fromkeys([e.fqn, *e.aliases], chunks))
+        model.update(dict.fromkeys([e.fqn, *e.aliases], chunks_of(e.tensor, e, rank, tp)))
     info = {"version": 2, "tied": {a: e.fqn for e in entries for a in e.aliases},
             "optimizer": None if optimizer is None else _class_name(optimizer)}
     state = {"model": model, "shardplan": json.dumps(info)}
@@ -126,8 +124,7 @@ def fresh_staging(path: Path, marker: str = ".metadata") -> Path:
 
 def _begin(sharded, path, optimizer, extra):
     """(the world, the state dict, the staging directory) of a save that may start."""
-    path = Path(path)
-    world = world_of(sharded)
+    path, world = Path(path), world_of(sharded)
     if not dist.is_initialized() and world.size > 1:
         raise CheckpointError(f"saving at {path} needs torch.distributed: these {world.size} "
                               "ranks are threads of one process", where=str(path),
@@ -177,11 +174,9 @@ def async_save(sharded, path, *, optimizer: torch.optim.Optimizer | None = None,
     (training may go on and change them); the files are written in the background
     over a gloo group of its own. Call ``wait()`` before the next save. Collective."""
     world, state, tmp = _begin(sharded, path, optimizer, extra)
-    group = None
-    if dist.is_initialized():
-        if dist.group.WORLD not in _ASYNC_GROUPS:
-            _ASYNC_GROUPS[dist.group.WORLD] = dist.new_group(backend="gloo")
-        group = _ASYNC_GROUPS[dist.group.WORLD]
+    if dist.is_initialized() and dist.group.WORLD not in _ASYNC_GROUPS:
+        _ASYNC_GROUPS[dist.group.WORLD] = dist.new_group(backend="gloo")
+    group = _ASYNC_GROUPS.get(dist.group.WORLD)  # None without torch.distributed
     future = quietly(dcp.async_save, state, checkpoint_id=str(tmp), planner=SavePlanner(),
                      process_group=group, no_dist=group is None)
     return PendingSave(future.result, world, tmp, path)
@@ -194,8 +189,7 @@ def _collective(what: str, path, fn):
         return fn()
     except CheckpointException as e:
         rank, first = min(e.failures.items())
-        raise CheckpointError(f"{what} failed on rank{'s' * (len(e.failures) > 1)} "
-                              f"{', '.join(map(str, sorted(e.failures)))}: "
+        raise CheckpointError(f"{what} failed on ranks {sorted(e.failures)}: "
                               f"{type(first).__name__}: {first}", where=str(path),
                               fix=f"see rank {rank}'s error (disk space, permissions, a path "
                                   "every rank shares)") from e

@@ -21,7 +21,7 @@ _INSIDE = threading.local()  # .depth: how deep this thread is in parameters_on_
 def _to_meta(module, name, param):
     if getattr(_INSIDE, "depth", 0) and param is not None and not param.is_meta:
         return type(param)(param.detach().to("meta"), requires_grad=param.requires_grad)
-    return None
+    return None  # keep it
 
 
 @contextlib.contextmanager

@@ -1,12 +1,10 @@
 """Full (unsharded) weights: Hugging Face folders in and out through DCP's HF storage, an
 in-memory state dict in, the full state dict gathered out, an HF model in one call.
 
-A folder is what ``save_pretrained`` writes: one ``model.safetensors``, or
-several files listed by ``model.safetensors.index.json`` (its ``weight_map``).
-Each rank reads only its chunks of each tensor (``HuggingFaceStorageReader``:
-safetensors slices, per block for fused layouts; padding rows stay zero).
-Names, shapes, dtypes and the index are checked first; every error names the
-key and the file.
+A folder is what ``save_pretrained`` writes: one ``model.safetensors``, or several
+files that ``model.safetensors.index.json`` lists. Each rank reads only its chunks
+(``HuggingFaceStorageReader``'s safetensors slices). Names, shapes, dtypes and the
+index are checked first; every error names the key and the file.
 """
 
 from __future__ import annotations
@@ -50,10 +48,7 @@ def _files(path: Path) -> tuple[list[Path], dict[str, Path] | None]:
     if path.name.endswith(".json"):
         weight_map = _read_index(path)
         return sorted(set(weight_map.values())), weight_map
-    if not path.is_file():
-        raise CheckpointError(f"{path} does not exist", where=str(path),
-                              fix="pass a .safetensors file, an index .json or their folder")
-    return [path], None
+    return [path], None  # if it is no file, the reader below names it
 
 
 def _read_index(path: Path) -> dict[str, Path]:
@@ -66,27 +61,21 @@ def _read_index(path: Path) -> dict[str, Path]:
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError(f"{path} has no weight_map of tensor name -> file name",
                               where=str(path), fix="pass an index written by save_pretrained")
-    files = {name: path.parent / file for name, file in weight_map.items()}
-    absent = sorted({f.name for f in files.values() if not f.is_file()})
-    if absent:
-        key = next(k for k, f in files.items() if f.name == absent[0])
-        raise CheckpointError(f"{path} names {absent[:4]} (e.g. for {key}), which do not exist",
-                              where=str(path.parent / absent[0]),
-                              fix="the checkpoint is incomplete: copy every file the index lists")
-    return files
+    return {name: path.parent / file for name, file in weight_map.items()}
 
 
 def _reader(path: Path) -> tuple[HuggingFaceStorageReader, dict[str, tuple]]:
     """(a reader of the files at ``path``, name -> (shape, dtype, file) of each tensor)."""
     files, declared = _files(path)
-    for file in files:  # the header of each, so that an unreadable one is named
+    for file in files:  # the header of each, so that a missing or unreadable one is named
         try:
             with safe_open(str(file), framework="pt"):
                 pass
         except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"{file} is not a readable safetensors file: {e}",
-                                  where=str(file), fix="the file is truncated or corrupt: "
-                                                       "use another checkpoint") from None
+            held = next((f" (e.g. for {k})" for k, f in (declared or {}).items() if f == file), "")
+            raise CheckpointError(f"{file} is not a readable safetensors file{held}: {e}",
+                                  where=str(file), fix="the file is missing, truncated or "
+                                  "corrupt: copy every file the index lists again") from None
     reader = HuggingFaceStorageReader(str(files[0].parent))
     reader.fs.ls = lambda _path: [str(f) for f in files]  # those of the index, or the one given
     md = reader.read_metadata()
@@ -153,19 +142,17 @@ def gather_full_state_dict(sharded) -> dict[str, torch.Tensor] | None:
             parts = sharded.group.all_gather(t.unsqueeze(0), 0).unbind(0)
             t = e.layout.unshard(list(parts), e.shape[e.layout.dim])
         full.update(dict.fromkeys([e.fqn, *e.aliases], t.clone()))
-    if sharded.group.rank != 0:
-        return None
-    return {n: full[n] for n in sharded.state_dict(keep_vars=True)}
+    return {n: full[n] for n in sharded.state_dict(keep_vars=True)} if sharded.group.rank == 0 \
+        else None
 
 
 def _file_indices(tensors: dict[str, torch.Tensor], shard_bytes: int) -> dict[str, int]:
     """Each tensor's file (1, 2, ...): in order, a new file once ``shard_bytes`` is full."""
     out, index, used = {}, 1, 0
     for name, t in tensors.items():
-        size = t.numel() * t.element_size()
-        if used and used + size > shard_bytes:
+        if used and used + t.nbytes > shard_bytes:
             index, used = index + 1, 0
-        out[name], used = index, used + size
+        out[name], used = index, used + t.nbytes
     return out
 
 
