@@ -57,7 +57,13 @@ for it. ``extra`` carries the step, the data position and each rank's RNG
 streams, so ``--resume DIR`` (the newest ``step-*`` in it, or a checkpoint
 directory itself) continues exactly: the next losses equal those of an
 uninterrupted run. A checkpoint loads at any other mesh (the streams then
-start afresh).
+start afresh). ``--resume auto`` resumes the newest complete checkpoint in
+``--save``'s directory if there is one, and so does a run that torchrun
+restarts (``--max-restarts``, ``TORCHELASTIC_RESTART_COUNT`` > 0) with
+``--save``: a killed rank costs the steps since the last checkpoint.
+``--timeout SECONDS``: a collective of a step or save that waits longer for
+its peers (a hung rank) raises ``CommunicationError`` naming the step and the
+collective's site. ``shardplan.faults`` injects kills and hangs for tests.
 
 ``train(config)`` is the same thing as a function (losses per step, on every
 rank); call it inside an initialized process group (e.g. a ``RealRanks``
