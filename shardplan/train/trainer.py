@@ -427,6 +427,7 @@ def _attempt_store() -> dict:
     return {"store": dist.PrefixStore(f"shardplan.train/attempt-{attempt}", store),
             "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
 
+
 # --------------------------------------------------------------------------
 # RNG states as JSON
 # --------------------------------------------------------------------------
