@@ -249,23 +249,29 @@ def test_torchrun_resume_continues_the_uninterrupted_run(uninterrupted, tmp_path
 
 @pytest.mark.real
 @pytest.mark.timeout(400)
-def test_torchrun_restarts_a_killed_rank_from_the_last_complete_checkpoint(uninterrupted,
-                                                                            tmp_path):
-    """``torchrun --max-restarts 2`` with a checkpoint every step: rank 1 SIGKILLs itself
-    in step 3 (after its backward, rank 0 inside the gradient norm's all-reduce); in the
-    restart, resumed from step-2, rank 0 SIGKILLs itself while saving step 3 (every rank's
-    part and DCP's metadata written, not committed); the second restart resumes from
-    step-2 again, never from the torn step-3 save. Every step printed by any attempt and
-    the final weights and optimizer state equal the uninterrupted run's."""
+def test_torchrun_restarts_a_killed_or_hung_rank_from_the_last_complete_checkpoint(
+        uninterrupted, tmp_path):
+    """``torchrun --max-restarts 3`` with a checkpoint every step and ``--timeout 10``:
+    rank 1 SIGKILLs itself in step 3 (after its backward, rank 0 inside the gradient
+    norm's all-reduce); in the restart, resumed from step-2, rank 0 SIGKILLs itself while
+    saving step 3 (every rank's part and DCP's metadata written, not committed); the
+    second restart resumes from step-2 again, never from the torn save, saves step 3, and
+    rank 1 stops answering in step 4: rank 0's all-reduce times out naming the step and
+    the collective, and the third restart resumes from step-3. Every step printed by any
+    attempt and the final weights and optimizer state equal the uninterrupted run's."""
     full, _, full_dir = uninterrupted
     ck = tmp_path / "ck"
-    steps, out, _ = _torchrun(tmp_path, "--save", str(ck), "--save-every", "1",
-                                restarts=2, timeout=360,
-                                faults="kill step=3 rank=1 attempt=0; kill save=1 rank=0 attempt=1")
+    steps, out, err = _torchrun(tmp_path, "--save", str(ck), "--save-every", "1",
+                                "--timeout", "10", restarts=3, timeout=360,
+                                faults="kill step=3 rank=1 attempt=0; kill save=1 rank=0 "
+                                       "attempt=1; hang step=2 rank=1 attempt=2")
     assert "kill rank 1 at step 3 (attempt 0)" in out and "kill rank 0 at save 1 (attempt 1)" in out
+    assert "hang rank 1 at step 2 (attempt 2)" in out  # its second step: step 4
+    assert "step 4: rank 0: all_reduce at grad norm timed out after 10s" in err, err[-3000:]
     assert out.count(f"resumed {ck / 'step-00000002'} at step 2") == 2, out
+    assert out.count(f"resumed {ck / 'step-00000003'} at step 3") == 1, out
     # steps 1-2 in attempt 0 (killed in step 3), step 3 in attempts 1 and 2, step 4 in the
-    # last: each as the uninterrupted run printed it
+    # last (attempt 2 hung in it): each as the uninterrupted run printed it
     assert {s: len(lines) for s, lines in steps.items()} == {1: 1, 2: 1, 3: 2, 4: 1}, out
     assert all(line == full[s] for s, lines in steps.items() for line in lines), (steps, full)
     assert sorted(p.name for p in ck.iterdir()) == [f"step-0000000{i}" for i in (1, 2, 3, 4)]

@@ -9,23 +9,22 @@ batches and short sequences, so the file stays well under two minutes.
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 import torch
 
 from shardplan.planner.capture import capture
-from shardplan.errors import CommunicationError, ConfigurationError
+from shardplan.errors import ConfigurationError
 from shardplan.models import build
 from shardplan.train.optim import (build_optimizer, clip_grad_norm_, cosine_scheduler, grad_norm,
                              lr_schedule)
-from shardplan.ranks import RealRanks, SimulatedRanks
+from shardplan.ranks import SimulatedRanks
 from shardplan.train.trainer import (TokenData, TrainConfig, parse_args, resolve_checkpoint,
                                      resume_point)
 from checks import full_gradient
-from train_cases import (BASE, clip_dp_rank, clip_rank, faulty_train_rank, nonfinite_dp_rank,
-                         nonfinite_rank, reference_losses, rel_close, resume_rank, torch_clip,
-                         train_rank, trainer_rank)
+from train_cases import (BASE, clip_dp_rank, clip_rank, nonfinite_dp_rank, nonfinite_rank,
+                         reference_losses, rel_close, resume_rank, torch_clip, train_rank,
+                         trainer_rank)
 
 
 # -- the schedule -----------------------------------------------------------------------------
@@ -286,23 +285,6 @@ def test_resume_point(tmp_path, monkeypatch):
     assert resume_point(TrainConfig()) is None  # nothing saved, nothing to resume
     with pytest.raises(ConfigurationError, match="--resume auto"):
         TrainConfig(resume="auto")
-
-
-@pytest.mark.real
-@pytest.mark.timeout(180)
-def test_hung_peer_ends_the_step_with_a_timeout_naming_it():
-    """Rank 1 stops answering in step 2 (it sleeps after its backward): rank 0's next
-    collective, the gradient norm's all-reduce, times out after --timeout 5 and raises an
-    error naming the step, the collective and its site, instead of hanging."""
-    cfg = dict(BASE, dp=1, steps=3, timeout=5.0)
-    with RealRanks(2, timeout=90) as ranks:  # a pool of its own: the hung rank breaks it
-        ranks.start()
-        t0 = time.monotonic()
-        with pytest.raises(CommunicationError, match="step 2: rank 0: all_reduce at grad norm "
-                                                     "timed out after 5s"):
-            ranks.run(faulty_train_rank, cfg, "hang step=2 rank=1")
-        elapsed = time.monotonic() - t0
-    assert elapsed < 75, elapsed  # the 5 s timeout, not the pool's 90 s
 
 
 # -- training on 4 gloo processes (dp 2 x tp 2) ------------------------------------------------

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import os
 
 import torch
 
@@ -15,7 +14,6 @@ from shardplan.planner.rules import load_rules
 from shardplan.runtime.random import set_rng_tracker
 from shardplan.sharded import ShardedModule
 from shardplan.errors import NonFiniteError
-from shardplan.faults import VARIABLE
 from shardplan.train.trainer import (TokenData, Trainer, TrainConfig, build_model, train,
                                      training_step)
 
@@ -124,12 +122,6 @@ def trainer_rank(ctx, cfg: dict, corrupt: bool):
 def resume_rank(ctx, first: dict, second: dict):
     """Run ``first`` (which saves), then a fresh trainer from ``second`` (which resumes)."""
     return train(TrainConfig(**first)), train(TrainConfig(**second))
-
-
-def faulty_train_rank(ctx, cfg: dict, fault: str):
-    """``train_rank`` with ``fault`` injected (``shardplan.faults``) in this worker."""
-    os.environ[VARIABLE] = fault
-    return train(TrainConfig(**cfg))
 
 
 @isolated
