@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 
+from shardplan import faults
 from shardplan.planner.capture import capture
 from shardplan.errors import ConfigurationError
 from shardplan.models import build
@@ -285,6 +286,17 @@ def test_resume_point(tmp_path, monkeypatch):
     assert resume_point(TrainConfig()) is None  # nothing saved, nothing to resume
     with pytest.raises(ConfigurationError, match="--resume auto"):
         TrainConfig(resume="auto")
+
+
+def test_fault_injection_spec(monkeypatch):
+    """A fault for another rank, point or later arrival does nothing; a malformed one is a
+    ConfigurationError naming the variable and the entry."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv(faults.VARIABLE, "kill step=1 rank=1; hang save=1 attempt=3; kill step=99")
+    faults.inject("step")  # this process is rank 0 of attempt 0, at step 1 of 99: alive
+    monkeypatch.setenv(faults.VARIABLE, "kill step=1 rank=1; explode step=2")
+    with pytest.raises(ConfigurationError, match="SHARDPLAN_FAULT_INJECTION.*'explode step=2'"):
+        faults.inject("step")
 
 
 # -- training on 4 gloo processes (dp 2 x tp 2) ------------------------------------------------
