@@ -45,6 +45,9 @@ when torch moves one, this is the file to change. Why no public API serves:
   public hook; ``ShardedGradScaler(process_group=...)`` agrees only in ``unscale_``
   and takes only a torch process group. The found-inf flags and the scale's device
   are the scaler's private state.
+- ``set_pg_timeout`` (``torch.distributed.distributed_c10d._set_pg_timeout``): a
+  process group's collective timeout after it exists; ``init_device_mesh`` gives its
+  groups torch's default (30 min on gloo), not the world's.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ from torch._ops import OpOverload, OpOverloadPacket
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, is_fake
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.distributed_c10d import _set_pg_timeout as set_pg_timeout
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.fx._pytree import tree_flatten_spec
 
@@ -69,7 +73,7 @@ __all__ = ["pytree", "tree_flatten_spec", "OpOverload", "OpOverloadPacket", "Fak
            "WAIT_TENSOR", "mkldnn_linear", "safe_softmax", "current_graph_task_id",
            "flatten_state_dict", "set_element", "compute_local_shape_and_global_offset",
            "set_child", "share_parameters", "FusedInfCheck", "found_inf_per_device",
-           "scale_device", "uncached_fake_dispatch"]
+           "scale_device", "uncached_fake_dispatch", "set_pg_timeout"]
 
 WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
 safe_softmax = torch.ops.aten._safe_softmax

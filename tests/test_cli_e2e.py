@@ -154,26 +154,31 @@ def test_console_script_prints_the_plan():
 
 # -- torchrun -m shardplan.train --resume --------------------------------------------------
 
+TEXT = b"the quick brown fox jumps over the lazy dog. " * 20
 STEP = re.compile(r"^step\s+(\d+)/(\d+) \| loss (\S+) \| lr (\S+) \| grad norm (\S+) \|")
 
 
-def _torchrun(tmp_path, *extra: str) -> dict[int, tuple[str, str, str]]:
+def _torchrun(tmp_path, *extra: str, restarts: int = 0, faults: str = "", timeout: int = 120):
+    """A 4-step run of ``shardplan.train`` on 2 ranks: (step -> its printed loss, lr and grad
+    norm, stdout, stderr). ``faults``: ``shardplan.faults`` to inject."""
     text = tmp_path / "text.txt"
     if not text.exists():
-        text.write_bytes(b"the quick brown fox jumps over the lazy dog. " * 20)
+        text.write_bytes(TEXT)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--max-restarts", str(restarts),
            "-m", "shardplan.train", "--tp", "2", "--model", "gpt-tiny", "--steps", "4",
            "--batch-size", "2", "--seq-len", "8", "--warmup", "1", "--lr", "1e-2",
            "--dropout", "0.1", "--data", str(text), "--log-every", "1", "--device", "cpu",
            *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=_env())
+    env = dict(_env(), SHARDPLAN_FAULT_INJECTION=faults)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     steps = {}
     for line in proc.stdout.splitlines():
         m = STEP.match(line)
         if m:
-            steps[int(m[1])] = (m[3], m[4], m[5])  # loss, lr, grad norm as printed
-    return steps, proc.stdout
+            steps.setdefault(int(m[1]), []).append((m[3], m[4], m[5]))  # loss, lr, grad norm
+    return steps, proc.stdout, proc.stderr
 
 
 def _saved(step_dir: Path) -> dict:
@@ -193,16 +198,32 @@ def _weights(step_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def _assert_same_tensors(want_dir: Path, got_dir: Path) -> None:
+    want, got = _weights(want_dir), _weights(got_dir)
+    assert want and sorted(want) == sorted(got) and "optim/transformer.wte.weight/exp_avg" in want
+    for k in want:
+        assert torch.equal(want[k], got[k]), k
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The uninterrupted 4-step run, saving every 2 steps: (printed steps, stdout, its
+    directory), the reference of the resumed and the restarted runs below."""
+    tmp_path = tmp_path_factory.mktemp("uninterrupted")
+    full, out, _ = _torchrun(tmp_path, "--save", str(tmp_path / "full"), "--save-every", "2")
+    return {step: lines[0] for step, lines in full.items()}, out, tmp_path / "full"
+
+
 @pytest.mark.real
 @pytest.mark.timeout(300)
-def test_torchrun_resume_continues_the_uninterrupted_run(tmp_path):
+def test_torchrun_resume_continues_the_uninterrupted_run(uninterrupted, tmp_path):
     """A 4-step run saving every 2 steps (also the check of the training entry point under
     torchrun), then a run resumed from its step-2 checkpoint:
     steps 3 and 4 print the same loss, lr and grad norm, and both write the same step-4
     weights and optimizer state. Dropout is on and the lr is high, so a resume that lost
     the RNG streams, the data position or the optimizer moments would show."""
-    full_dir, resumed_dir = tmp_path / "full", tmp_path / "resumed"
-    full, out = _torchrun(tmp_path, "--save", str(full_dir), "--save-every", "2")
+    full, out, full_dir = uninterrupted
+    resumed_dir = tmp_path / "resumed"
     assert sorted(full) == [1, 2, 3, 4]
     # the entry point itself: torchrun's environment gives the default group, rank 0 alone
     # logs, the data file is read, a checkpoint every 2 steps records the step, the data
@@ -210,23 +231,51 @@ def test_torchrun_resume_continues_the_uninterrupted_run(tmp_path):
     lines = [line for line in out.splitlines() if STEP.match(line)]
     assert len(lines) == 4 and "tok/s" in lines[0], out
     assert "dp_replicate 1 x dp_shard 1 x tp 2" in out
-    assert sorted(p.name for p in full_dir.iterdir()) == ["step-00000002", "step-00000004"]
+    assert sorted(p.name for p in full_dir.iterdir() if p.is_dir()) == ["step-00000002",
+                                                                  "step-00000004"]
     extra = json.loads(_saved(full_dir / "step-00000004")["extra"])
-    assert extra["step"] == 4 and extra["data"]["tokens"] == (tmp_path / "text.txt").stat().st_size
+    assert extra["step"] == 4 and extra["data"]["tokens"] == len(TEXT)
     assert len(extra["rng"]) == 2  # each rank's streams
     assert all(set(rng) == {"replicated", "model-parallel"} for rng in extra["rng"])
     ck = full_dir / "step-00000002"
     assert ck.is_dir(), sorted(p.name for p in full_dir.iterdir())
-    resumed, out = _torchrun(tmp_path, "--resume", str(ck), "--save", str(resumed_dir))
+    resumed, out, _ = _torchrun(tmp_path, "--resume", str(ck), "--save", str(resumed_dir))
     assert f"resumed {ck} at step 2" in out, out
-    assert sorted(resumed) == [3, 4], out
-    assert resumed[3] == full[3] and resumed[4] == full[4], (full, resumed)
+    assert resumed == {3: [full[3]], 4: [full[4]]}, (full, resumed)
     # the printed losses move from step to step (the comparison above is not of constants)
     assert full[3][0] != full[4][0]
-    want, got = _weights(full_dir / "step-00000004"), _weights(resumed_dir / "step-00000004")
-    assert want and sorted(want) == sorted(got) and "optim/transformer.wte.weight/exp_avg" in want
-    for k in want:
-        assert torch.equal(want[k], got[k]), k
+    _assert_same_tensors(full_dir / "step-00000004", resumed_dir / "step-00000004")
+
+
+@pytest.mark.real
+@pytest.mark.timeout(400)
+def test_torchrun_restarts_a_killed_or_hung_rank_from_the_last_complete_checkpoint(
+        uninterrupted, tmp_path):
+    """``torchrun --max-restarts 3`` with a checkpoint every step and ``--timeout 10``:
+    rank 1 SIGKILLs itself in step 3 (after its backward, rank 0 inside the gradient
+    norm's all-reduce); in the restart, resumed from step-2, rank 0 SIGKILLs itself while
+    saving step 3 (every rank's part and DCP's metadata written, not committed); the
+    second restart resumes from step-2 again, never from the torn save, saves step 3, and
+    rank 1 stops answering in step 4: rank 0's all-reduce times out naming the step and
+    the collective, and the third restart resumes from step-3. Every step printed by any
+    attempt and the final weights and optimizer state equal the uninterrupted run's."""
+    full, _, full_dir = uninterrupted
+    ck = tmp_path / "ck"
+    steps, out, err = _torchrun(tmp_path, "--save", str(ck), "--save-every", "1",
+                                "--timeout", "10", restarts=3, timeout=360,
+                                faults="kill step=3 rank=1 attempt=0; kill save=1 rank=0 "
+                                       "attempt=1; hang step=2 rank=1 attempt=2")
+    assert "kill rank 1 at step 3 (attempt 0)" in out and "kill rank 0 at save 1 (attempt 1)" in out
+    assert "hang rank 1 at step 2 (attempt 2)" in out  # its second step: step 4
+    assert "step 4: rank 0: all_reduce at grad norm timed out after 10s" in err, err[-3000:]
+    assert out.count(f"resumed {ck / 'step-00000002'} at step 2") == 2, out
+    assert out.count(f"resumed {ck / 'step-00000003'} at step 3") == 1, out
+    # steps 1-2 in attempt 0 (killed in step 3), step 3 in attempts 1 and 2, step 4 in the
+    # last (attempt 2 hung in it): each as the uninterrupted run printed it
+    assert {s: len(lines) for s, lines in steps.items()} == {1: 1, 2: 1, 3: 2, 4: 1}, out
+    assert all(line == full[s] for s, lines in steps.items() for line in lines), (steps, full)
+    assert sorted(p.name for p in ck.iterdir()) == [f"step-0000000{i}" for i in (1, 2, 3, 4)]
+    _assert_same_tensors(full_dir / "step-00000004", ck / "step-00000004")
 
 
 # -- torchrun -m shardplan.cli generate --------------------------------------------------

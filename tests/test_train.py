@@ -13,13 +13,15 @@ import math
 import pytest
 import torch
 
+from shardplan import faults
 from shardplan.planner.capture import capture
 from shardplan.errors import ConfigurationError
 from shardplan.models import build
 from shardplan.train.optim import (build_optimizer, clip_grad_norm_, cosine_scheduler, grad_norm,
                              lr_schedule)
 from shardplan.ranks import SimulatedRanks
-from shardplan.train.trainer import TokenData, TrainConfig, parse_args, resolve_checkpoint
+from shardplan.train.trainer import (TokenData, TrainConfig, parse_args, resolve_checkpoint,
+                                     resume_point)
 from checks import full_gradient
 from train_cases import (BASE, clip_dp_rank, clip_rank, nonfinite_dp_rank, nonfinite_rank,
                          reference_losses, rel_close, resume_rank, torch_clip, train_rank,
@@ -264,6 +266,37 @@ def test_resolve_checkpoint(tmp_path):
     assert resolve_checkpoint(tmp_path / "step-00000020").name == "step-00000020"
     with pytest.raises(ConfigurationError, match="no checkpoint"):
         resolve_checkpoint(tmp_path / "nothing")
+
+
+def test_resume_point(tmp_path, monkeypatch):
+    """--resume auto, and a torchrun restart with --save: the newest complete checkpoint of
+    the save directory (none yet: a fresh start); a first attempt resumes only if told."""
+    save = tmp_path / "ck"
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    assert resume_point(TrainConfig(save=str(save), resume="auto")) is None
+    for name in ("step-00000002", "step-00000004", ".step-00000006.partial"):
+        (save / name).mkdir(parents=True)
+        (save / name / ".metadata").write_bytes(b"")  # the partial one is not committed
+    assert resume_point(TrainConfig(save=str(save), resume="auto")).name == "step-00000004"
+    assert resume_point(TrainConfig(save=str(save))) is None
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert resume_point(TrainConfig(save=str(save))).name == "step-00000004"
+    assert resume_point(TrainConfig(save=str(save), resume=str(save / "step-00000002"))) \
+        .name == "step-00000002"
+    assert resume_point(TrainConfig()) is None  # nothing saved, nothing to resume
+    with pytest.raises(ConfigurationError, match="--resume auto"):
+        TrainConfig(resume="auto")
+
+
+def test_fault_injection_spec(monkeypatch):
+    """A fault for another rank, point or later arrival does nothing; a malformed one is a
+    ConfigurationError naming the variable and the entry."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv(faults.VARIABLE, "kill step=1 rank=1; hang save=1 attempt=3; kill step=99")
+    faults.inject("step")  # this process is rank 0 of attempt 0, at step 1 of 99: alive
+    monkeypatch.setenv(faults.VARIABLE, "kill step=1 rank=1; explode step=2")
+    with pytest.raises(ConfigurationError, match="SHARDPLAN_FAULT_INJECTION.*'explode step=2'"):
+        faults.inject("step")
 
 
 # -- training on 4 gloo processes (dp 2 x tp 2) ------------------------------------------------

@@ -1,9 +1,8 @@
 """Checkpoints of a parallelized model, through torch DCP (``torch.distributed.checkpoint``).
 
-One format: a DCP directory in the unsharded model's key space (full names,
-full unpadded shapes), written and read from any mesh (tp, dp_shard,
-dp_replicate, FSDP2 or not) into any other; DCP reshards on load. Hugging
-Face folders go in and out through DCP's HF storage.
+One format, a DCP directory in the unsharded model's key space, written from
+any mesh (tp, dp_shard, dp_replicate, FSDP2 or not) and read into any other;
+Hugging Face folders in and out through DCP's HF storage.
 
     save(sharded, "ck/step100", optimizer=opt, extra={"step": 100})
     pending = async_save(sharded, "ck/step200", optimizer=opt); ...; pending.wait()
@@ -15,22 +14,13 @@ Face folders go in and out through DCP's HF storage.
     full = gather_full_state_dict(sharded)             # dict on rank 0, None elsewhere
     with parameters_on_meta(): model = MyModel()       # to parallelize, then load into
 
-Every function except ``export_hf`` is collective: call it on every rank. A save
-at more than one rank needs torch.distributed (real ranks); simulated ranks
-(threads of one process) load.
-
-What torch does not know lives here: ``entries`` (the module's distinct tensors
-with their layout and full shape, tied names), ``chunks`` (a rank's blocked,
-padded shard as chunks of the full tensor, for DCP's planners), ``dcp``
-(save/load, atomic commit, the optimizer's state by parameter name), ``hf``
-(HF folders, with errors that name the file and key), ``empty`` (models
-built to be loaded) and ``pretrained`` (an HF folder in one call).
+Every function but ``export_hf`` is collective. A save at more than one rank
+needs torch.distributed (real ranks); simulated ranks (threads) only load.
 """
 
 from .dcp import OLD_FORMAT, PendingSave, async_save, load, save
 from .empty import parameters_on_meta
-from .hf import export_hf, gather_full_state_dict, load_full_state_dict, save_hf
-from .pretrained import load_pretrained
+from .hf import export_hf, gather_full_state_dict, load_full_state_dict, load_pretrained, save_hf
 
 __all__ = ["save", "async_save", "load", "PendingSave", "OLD_FORMAT", "load_full_state_dict",
            "gather_full_state_dict", "save_hf", "export_hf", "load_pretrained",

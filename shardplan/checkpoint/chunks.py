@@ -1,13 +1,15 @@
-"""This rank's chunks of the unsharded model's tensors, as DCP's planners ask for them.
+"""What torch does not know of a sharded module's tensors, for DCP's planners.
 
-A rank's blocked shard (fused QKV) is several separate chunks of the global
-tensor, one per block, which no ``DTensor`` placement expresses; under FSDP2
-the chunks are cut from the rank's ``DTensor`` shard of its TP shard. Padding
-rows are in no chunk: dropped on save, left as they are (zero) on load.
-Replicas hand in the same chunks, and DCP's planner keeps one writer for each.
+Entries: each distinct tensor (a tied weight is one) with its TP layout and full
+shape (``layouts.spec_of``). Chunks: a rank's blocked shard (fused QKV) is one chunk
+of the global tensor per block, which no ``DTensor`` placement expresses; under
+FSDP2 they are cut from the rank's ``DTensor`` shard of its TP shard. Padding rows
+are in no chunk (dropped on save, zero on load); DCP keeps one writer per chunk.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
@@ -17,20 +19,100 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.tensor import DTensor
 
 from ..errors import CheckpointError
-from ..layouts import Shard
+from ..layouts import MeshDim, Partial, Replicate, Shard, spec_of
+from ..planner.shards import local_shape
 from ..torch_compat import compute_local_shape_and_global_offset, flatten_state_dict, set_element
-from .entries import Entry
 
-__all__ = ["Chunks", "SavePlanner", "LoadPlanner", "chunks_of", "segments"]
+__all__ = ["Entry", "entries_of", "load_targets", "match_names", "Chunks", "SavePlanner",
+           "LoadPlanner", "chunks_of", "segments"]
+
+
+@dataclass
+class Entry:
+    """One distinct tensor of the sharded module (a tied weight is one entry)."""
+
+    fqn: str  # the first name in state_dict order
+    aliases: list[str]  # its other names
+    tensor: torch.Tensor  # this rank's part
+    layout: Replicate | Shard
+    shape: tuple[int, ...]  # the full, unpadded shape
+
+
+def entries_of(sharded) -> list[Entry]:
+    """Every distinct tensor of ``sharded.state_dict()`` with its layout and full shape."""
+    by_id: dict[int, list] = {}  # id -> [the tensor, its names...]
+    for name, t in sharded.state_dict(keep_vars=True).items():
+        by_id.setdefault(id(t), [t]).append(name)
+    tp = sharded.group.size
+    out = []
+    for t, *group in by_id.values():
+        spec = spec_of(t)
+        lay = spec.layout[MeshDim.TP] if spec else Replicate()
+        if isinstance(lay, Partial):
+            raise CheckpointError(f"{group[0]} is held as partial sums, which cannot be saved",
+                                  where=group[0], fix="only parameters and buffers are saved; "
+                                                      "they must be replicated or sharded")
+        if isinstance(lay, Shard) and lay.dim < 0:
+            lay = Shard(lay.dim % t.dim(), lay.blocks, lay.padded, lay.replicas)
+        full = spec.shape if spec else tuple(t.shape)
+        if local_shape(full, lay, tp) != tuple(t.shape):
+            raise CheckpointError(f"{group[0]}: this rank holds {list(t.shape)}, but layout {lay} "
+                                  f"of {list(full)} over tp={tp} gives "
+                                  f"{list(local_shape(full, lay, tp))}",
+                                  where=group[0], fix="this is a planner bug: report it")
+        out.append(Entry(group[0], group[1:], t, lay, tuple(full)))
+    return out
+
+
+def load_targets(sharded, entries: list[Entry]):
+    """(fqn -> the tensor to load each entry's chunks into, ``finish`` to call after): the
+    module's own tensors, padding zeroed, or zeros that ``finish`` gives a meta one."""
+    targets, fresh = {}, {}
+    with torch.no_grad():
+        for e in entries:
+            t = e.tensor
+            if t.is_meta:
+                t = fresh[e.fqn] = torch.zeros(t.shape, dtype=t.dtype)
+            elif isinstance(e.layout, Shard) and e.layout.padded:  # rows in no chunk
+                (t.to_local() if isinstance(t, DTensor) else t).zero_()
+            targets[e.fqn] = t
+    return targets, lambda: sharded.load_local_(fresh) if fresh else None
+
+
+def match_names(found: dict[str, tuple], entries: list[Entry], where: str, strict: bool) -> dict:
+    """Each entry's name in ``found`` (name -> (shape, dtype, file)); raises on missing or
+    unexpected names, other shapes, dtypes it cannot be cast from."""
+    chosen = {e.fqn: next((n for n in [e.fqn, *e.aliases] if n in found), None) for e in entries}
+    missing = [fqn for fqn, name in chosen.items() if name is None]
+    names = {n for e in entries for n in [e.fqn, *e.aliases]}
+    unexpected = sorted(set(found) - names) if strict else []
+    if missing or unexpected:
+        parts = [f"{what} {names[:4]}" for what, names in
+                 (("missing", missing), ("unexpected", unexpected)) if names]
+        at = f" (e.g. {unexpected[0]} in {found[unexpected[0]][2]})" if unexpected else ""
+        raise CheckpointError(f"{where} does not match the model: {'; '.join(parts)}{at}",
+                              where=where,
+                              fix="pass the full state dict of the same model class and "
+                                  "configuration (strict=False ignores extra names)")
+    for e in entries:
+        name = chosen[e.fqn]
+        shape, dtype, file = found[name]
+        if shape != list(e.shape):
+            raise CheckpointError(f"{name} has shape {shape} in {file}, the model "
+                                  f"{list(e.shape)}", where=f"{name} in {file}",
+                                  fix="load weights of the same model configuration")
+        if dtype.is_floating_point != e.tensor.dtype.is_floating_point:
+            raise CheckpointError(f"{name} is {dtype} in {file}; the model holds it as "
+                                  f"{e.tensor.dtype}, which it cannot be cast to",
+                                  where=f"{name} in {file}",
+                                  fix="load weights of the same model (floating point weights "
+                                      "go into floating point tensors)")
+    return chosen
 
 
 class Chunks:
-    """This rank's chunks of one global tensor: (global offsets, local view) pairs.
-
-    Implements the protocol DCP's planners ask a ``DTensor`` for (write items,
-    chunk list, the tensor of one chunk), with chunks a ``DTensor`` placement
-    cannot describe.
-    """
+    """This rank's chunks of one global tensor, (global offsets, local view) pairs, behind
+    the protocol DCP's planners ask a ``DTensor`` for (write items, chunks, one chunk)."""
 
     def __init__(self, shape: tuple[int, ...], pieces: list[tuple[torch.Size, torch.Tensor]]):
         self.shape, self.pieces = torch.Size(shape), pieces
@@ -49,11 +131,7 @@ class Chunks:
         return [ChunkStorageMetadata(offsets, t.size()) for offsets, t in self.pieces]
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
-        for offsets, t in self.pieces:
-            if offsets == index.offset:
-                return t
-        raise CheckpointError(f"{index.fqn} has no chunk at {list(index.offset)} here",
-                              where=index.fqn, fix="this is a shardplan bug: report it")
+        return dict(self.pieces)[index.offset]  # DCP asks only for the chunks listed
 
 
 class SavePlanner(DefaultSavePlanner):
@@ -89,8 +167,7 @@ class LoadPlanner(DefaultLoadPlanner):
 
 
 def segments(lay: Shard, full: int, rank: int, tp: int) -> list[tuple[int, int, int]]:
-    """(local start, global start, length) of each run of the TP shard along ``lay.dim``
-    that is in the full tensor (padding dropped)."""
+    """(local start, global start, length) of each run of ``lay``'s shard, padding dropped."""
     out, local, base = [], 0, 0
     for block, r in zip(lay.blocks or (lay.padded or full,), lay.block_replicas()):
         parts, index = tp // r, rank // r

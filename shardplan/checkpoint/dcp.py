@@ -1,32 +1,22 @@
 """torch DCP checkpoints in the unsharded model's key space: the one checkpoint format.
 
-    save(sharded, path, optimizer=opt, extra={"step": 100})   # collective over the world
-    pending = async_save(sharded, path, optimizer=opt)       # returns once staged
-    pending.wait()                                           # written and committed
-    extra = load(sharded, path, optimizer=opt)               # any tp, dp, FSDP2 or not
+The state dict is ``{"model": {fqn: full tensor}, "optim": {"state": {fqn:
+{name: tensor}}, "param_groups": [...]}, "extra": JSON, "shardplan": JSON}``
+under the original model's names (every alias of a tied weight) and full,
+unpadded shapes: ``dcp_to_torch_save``'s ``["model"]`` loads strictly into the
+plain model, and a load at another layout is DCP's own resharding.
+``"shardplan"`` records the tied names and the optimizer class.
 
-The checkpoint is a ``torch.distributed.checkpoint`` directory whose state
-dict is ``{"model": {fqn: full tensor}, "optim": {"state": {fqn: {name:
-tensor}}, "param_groups": [...]}, "extra": JSON, "shardplan": JSON}`` under
-the original model's names (every alias of a tied weight) and full, unpadded
-shapes, so ``dcp_to_torch_save(path, file)`` gives a file whose ``["model"]``
-loads strictly into the plain model, and a load at any other layout is DCP's
-own resharding. ``"shardplan"`` records the tied names and the optimizer class.
-
-A save is atomic: DCP writes into ``.<name>.partial`` next to ``path``, and
-rank 0 swaps it into place only after DCP has written its ``.metadata`` (the
-last file, once every rank has written its part); a save that dies halfway
-leaves the previous checkpoint as it was.
+A save is atomic: DCP writes into ``.<name>.partial``, which rank 0 renames to
+``path`` only after DCP wrote its ``.metadata`` (last, once every rank wrote its
+part); a save that dies halfway leaves the previous checkpoint as it was.
 """
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import json
 import os
 import shutil
-import sys
 import warnings
 from pathlib import Path
 
@@ -37,16 +27,17 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..errors import CheckpointError
+from ..faults import inject
 from ..runtime.comm import TorchGroup
 from ..runtime.consistency import agree
-from .chunks import LoadPlanner, SavePlanner, chunks_of
-from .entries import Entry, entries_of, load_targets, match_names
+from .chunks import (Entry, LoadPlanner, SavePlanner, chunks_of, entries_of, load_targets,
+                     match_names)
 
 __all__ = ["save", "async_save", "load", "PendingSave", "OLD_FORMAT", "read_metadata",
-           "shardplan_info", "commit_dir", "quietly", "world_of"]
+           "shardplan_info", "commit_dir", "fresh_staging", "quietly", "world_of"]
 
 OLD_FORMAT = "shardplan-checkpoint"  # the retired per-rank safetensors format's index tag
-_ASYNC_GROUPS: dict = {}  # default process group -> the gloo group async saves use
+_ASYNC_GROUPS: dict = {}  # the default process group -> the gloo group async saves use
 
 
 def world_of(sharded):
@@ -78,8 +69,7 @@ def _optim_state(sharded, optimizer, entries: list[Entry]) -> dict:
         e = by_id[id(p)]
         state[e.fqn] = {k: chunks_of(v, e, rank, tp) if isinstance(v, torch.Tensor) and
                         v.dim() and v.shape == p.shape else v for k, v in s.items()}
-    groups = [{**{k: v for k, v in g.items() if k != "params"},
-               "params": [by_id[id(p)].fqn for p in g["params"]]}
+    groups = [{**g, "params": [by_id[id(p)].fqn for p in g["params"]]}
               for g in optimizer.param_groups]
     return {"state": state, "param_groups": groups}
 
@@ -105,8 +95,7 @@ def _state(sharded, optimizer, extra) -> dict:
     rank, tp = sharded.group.rank, sharded.group.size
     model = {}
     for e in entries:
-        chunks = chunks_of(e.tensor, e, rank, tp)
-        model.update(dict.fromkeys([e.fqn, *e.aliases], chunks))
+        model.update(dict.fromkeys([e.fqn, *e.aliases], chunks_of(e.tensor, e, rank, tp)))
     info = {"version": 2, "tied": {a: e.fqn for e in entries for a in e.aliases},
             "optimizer": None if optimizer is None else _class_name(optimizer)}
     state = {"model": model, "shardplan": json.dumps(info)}
@@ -117,34 +106,37 @@ def _state(sharded, optimizer, extra) -> dict:
     return state
 
 
-def _staging(path: Path) -> Path:
+def staging_of(path: Path) -> Path:
     return path.parent / f".{path.name}.partial"
 
 
-def _prepare(path: Path) -> None:
-    if path.exists() and not (path / ".metadata").is_file() and any(path.iterdir()):
-        raise CheckpointError(f"refusing to replace {path}: it is not a DCP checkpoint",
+def fresh_staging(path: Path, marker: str = ".metadata") -> Path:
+    """An empty ``staging_of(path)`` to save into; refuses a ``path`` that holds something
+    other than a finished save (whose last file is ``marker``)."""
+    if path.exists() and not (path / marker).is_file() and any(path.iterdir()):
+        raise CheckpointError(f"refusing to replace {path}: it holds no {marker}",
                               where=str(path), fix="choose a new or empty directory")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _staging(path)
-    if tmp.exists():
-        shutil.rmtree(tmp)  # left by a save that died
-    tmp.mkdir()
+    tmp = staging_of(path)
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a save that died
+    tmp.mkdir(parents=True)
+    return tmp
 
 
 def _begin(sharded, path, optimizer, extra):
     """(the world, the state dict, the staging directory) of a save that may start."""
-    path = Path(path)
-    world = world_of(sharded)
+    path, world = Path(path), world_of(sharded)
     if not dist.is_initialized() and world.size > 1:
         raise CheckpointError(f"saving at {path} needs torch.distributed: these {world.size} "
                               "ranks are threads of one process", where=str(path),
                               fix="save from real ranks (torchrun, RealRanks)")
-    state = agree(world, f"saving {path}", lambda: _state(sharded, optimizer, extra),
-                  error=CheckpointError)
-    agree(world, f"preparing {path}", (lambda: _prepare(path)) if world.rank == 0 else
-          (lambda: None), error=CheckpointError)
-    return world, state, _staging(path)
+
+    def start():
+        state = _state(sharded, optimizer, extra)
+        if world.rank == 0:
+            fresh_staging(path)
+        return state
+
+    return world, agree(world, f"saving {path}", start, error=CheckpointError), staging_of(path)
 
 
 def save(sharded, path, *, optimizer: torch.optim.Optimizer | None = None,
@@ -153,29 +145,27 @@ def save(sharded, path, *, optimizer: torch.optim.Optimizer | None = None,
     ``path`` (a directory), atomically. ``extra``: a JSON-able dict, the same on every
     rank (``load`` returns it). Collective over the world."""
     world, state, tmp = _begin(sharded, path, optimizer, extra)
-    _collective("writing the checkpoint", path, lambda: quietly(
-        dcp.save, state, checkpoint_id=str(tmp), planner=SavePlanner(),
-        no_dist=not dist.is_initialized()))
-    agree(world, f"committing {path}", (lambda: commit_dir(tmp, Path(path))) if world.rank == 0
-          else (lambda: None), error=CheckpointError)
+    PendingSave(lambda: quietly(dcp.save, state, checkpoint_id=str(tmp), planner=SavePlanner(),
+                                no_dist=not dist.is_initialized()), world, tmp, path).wait()
 
 
 class PendingSave:
-    """An ``async_save`` under way: ``wait()`` for it to be written and committed."""
+    """A save under way (``async_save``): ``wait()`` for it to be written and committed."""
 
-    def __init__(self, future, tmp: Path, path: Path, rank: int):
-        self.future, self.tmp, self.path, self.rank = future, tmp, path, rank
+    def __init__(self, written, world, tmp: Path, path):
+        self.written, self.world, self.tmp, self.path = written, world, tmp, Path(path)
         self.done = False
 
     def wait(self) -> None:
-        """Block until every rank's part and the metadata are written; rank 0 then swaps
+        """Block until every rank's part and the metadata are written; rank 0 then renames
         the checkpoint into place. Raises on every rank if the save failed on any."""
         if self.done:
             return
         self.done = True
-        _collective("writing the checkpoint", self.path, self.future.result)
-        if self.rank == 0:
-            commit_dir(self.tmp, self.path)
+        _collective("writing the checkpoint", self.path, self.written)
+        inject("save")  # fault-injection tests only (shardplan.faults)
+        agree(self.world, f"committing {self.path}", (lambda: commit_dir(self.tmp, self.path))
+              if self.world.rank == 0 else (lambda: None), error=CheckpointError)
 
 
 def async_save(sharded, path, *, optimizer: torch.optim.Optimizer | None = None,
@@ -184,15 +174,12 @@ def async_save(sharded, path, *, optimizer: torch.optim.Optimizer | None = None,
     (training may go on and change them); the files are written in the background
     over a gloo group of its own. Call ``wait()`` before the next save. Collective."""
     world, state, tmp = _begin(sharded, path, optimizer, extra)
-    group = None
-    if dist.is_initialized():
-        default = dist.group.WORLD
-        if default not in _ASYNC_GROUPS:
-            _ASYNC_GROUPS[default] = dist.new_group(backend="gloo")
-        group = _ASYNC_GROUPS[default]
+    if dist.is_initialized() and dist.group.WORLD not in _ASYNC_GROUPS:
+        _ASYNC_GROUPS[dist.group.WORLD] = dist.new_group(backend="gloo")
+    group = _ASYNC_GROUPS.get(dist.group.WORLD)  # None without torch.distributed
     future = quietly(dcp.async_save, state, checkpoint_id=str(tmp), planner=SavePlanner(),
-                    process_group=group, no_dist=group is None)
-    return PendingSave(future, tmp, Path(path), world.rank)
+                     process_group=group, no_dist=group is None)
+    return PendingSave(future.result, world, tmp, path)
 
 
 def _collective(what: str, path, fn):
@@ -202,8 +189,7 @@ def _collective(what: str, path, fn):
         return fn()
     except CheckpointException as e:
         rank, first = min(e.failures.items())
-        raise CheckpointError(f"{what} failed on rank{'s' * (len(e.failures) > 1)} "
-                              f"{', '.join(map(str, sorted(e.failures)))}: "
+        raise CheckpointError(f"{what} failed on ranks {sorted(e.failures)}: "
                               f"{type(first).__name__}: {first}", where=str(path),
                               fix=f"see rank {rank}'s error (disk space, permissions, a path "
                                   "every rank shares)") from e
@@ -218,40 +204,20 @@ def _fsync_dir(path: Path) -> None:
 
 
 def commit_dir(tmp: Path, path: Path, marker: str = ".metadata") -> None:
-    """Swap the finished ``tmp`` into ``path`` (the previous checkpoint is kept until then);
-    ``marker``: the file a finished save writes last."""
+    """Rename the finished ``tmp`` to ``path``; ``marker``: the file a finished save writes
+    last. A previous ``path`` is first renamed to ``.<name>.old``, removed after: in
+    between, ``path`` is missing, never incomplete."""
     if not (tmp / marker).is_file():
         raise CheckpointError(f"{tmp} has no {marker}: the save did not finish",
                               where=str(tmp), fix="save again")
     _fsync_dir(tmp)
-    if not path.exists():
-        os.rename(tmp, path)
-    elif _swap(tmp, path):
-        shutil.rmtree(tmp)  # now the previous checkpoint
-    else:  # two renames: in between, ``path`` is missing, never incomplete
-        old = path.parent / f".{path.name}.old"
+    old = path.parent / f".{path.name}.old"
+    if path.exists():
+        shutil.rmtree(old, ignore_errors=True)  # left by a commit that died
         os.rename(path, old)
-        os.rename(tmp, path)
-        shutil.rmtree(old)
+    os.rename(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
     _fsync_dir(path.parent)
-
-
-def _swap(a: Path, b: Path) -> bool:
-    """Swap two paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False where unsupported."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return False
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    at_fdcwd, rename_exchange = -100, 2
-    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM):
-        return False
-    raise OSError(err, os.strerror(err), str(b))
 
 
 def read_metadata(path: Path):
@@ -279,9 +245,18 @@ def shardplan_info(path: Path, metadata: dict) -> dict:
 
 
 def _fresh_optim_state(optimizer, entries: list[Entry], metadata: dict, path: Path) -> None:
-    """Give every parameter the state tensors the checkpoint has for it (zeros, to be
-    loaded in place): those shaped like the parameter, like it (a ``DTensor`` under
-    FSDP2); the others (``step``) as saved."""
+    """Check that ``path`` holds state of ``optimizer``'s class, and give every parameter the
+    state tensors it has for it (zeros, to be loaded in place): those shaped like the
+    parameter like it (a ``DTensor`` under FSDP2), the others (``step``) as saved."""
+    if not any(k.startswith("optim.") for k in metadata):
+        raise CheckpointError(f"{path} holds no optimizer state", where=str(path),
+                              fix="save with checkpoint.save(..., optimizer=opt), or load "
+                                  "without optimizer=")
+    saved = shardplan_info(path, metadata).get("optimizer")  # None: saved before it was kept
+    if saved not in (None, _class_name(optimizer)):
+        raise CheckpointError(f"the checkpoint holds {saved} state, the optimizer is "
+                              f"{_class_name(optimizer)}", where=type(optimizer).__name__,
+                              fix="load into the same optimizer class it was saved from")
     by_fqn = {e.fqn: e for e in _by_param(optimizer, entries).values()}
     for key, md in metadata.items():
         if not key.startswith("optim.state.") or not isinstance(md, TensorStorageMetadata):
@@ -299,18 +274,6 @@ def _fresh_optim_state(optimizer, entries: list[Entry], metadata: dict, path: Pa
                 and len(md.size) else torch.zeros(md.size, dtype=dtype)
 
 
-def _check_optimizer(optimizer, metadata: dict, info: dict, path: Path) -> None:
-    if not any(k.startswith("optim.") for k in metadata):
-        raise CheckpointError(f"{path} holds no optimizer state", where=str(path),
-                              fix="save with checkpoint.save(..., optimizer=opt), or load "
-                                  "without optimizer=")
-    saved = info.get("optimizer")  # None in checkpoints of before it was recorded
-    if saved not in (None, _class_name(optimizer)):
-        raise CheckpointError(f"the checkpoint holds {saved} state, the optimizer is "
-                              f"{_class_name(optimizer)}", where=type(optimizer).__name__,
-                              fix="load into the same optimizer class it was saved from")
-
-
 def load(sharded, path, *, optimizer: torch.optim.Optimizer | None = None) -> dict:
     """Load a ``save`` checkpoint into ``sharded`` (and ``optimizer``), whatever the
     layout it was saved from (each rank reads its chunks); return its ``extra`` (``{}``
@@ -323,12 +286,10 @@ def load(sharded, path, *, optimizer: torch.optim.Optimizer | None = None) -> di
         match_names({k[len("model."):]: (list(m.size), m.properties.dtype, path)
                      for k, m in metadata.items() if k.startswith("model.")}, entries,
                     str(path), strict=True)
-        info = shardplan_info(path, metadata)
         targets, finish = load_targets(sharded, entries)
         rank, tp = sharded.group.rank, sharded.group.size
         state = {"model": {e.fqn: chunks_of(targets[e.fqn], e, rank, tp) for e in entries}}
         if optimizer is not None:
-            _check_optimizer(optimizer, metadata, info, path)
             _fresh_optim_state(optimizer, entries, metadata, path)
             state["optim"] = _optim_state(sharded, optimizer, entries)
         if "extra" in metadata:

@@ -2,15 +2,10 @@
 
 Building under ``torch.device("meta")`` puts buffers on meta too, and a buffer a
 checkpoint does not hold (``persistent=False``: rotary tables, causal masks) then
-never gets a value. ``parameters_on_meta`` lets the model's constructor run on
-the CPU and moves each parameter to meta as it is registered: buffers keep the
-values the constructor computed, a parameter's CPU tensor lives only until it
-is registered (``torch.empty`` in torch's layers: never touched), and
-initializers then run on meta, costing nothing.
-
-The hook is ``nn.Module.register_parameter``, patched while any thread is inside
-the block; it acts only in those threads (simulated ranks are threads, and a rank
-building a plain module meanwhile keeps its parameters).
+never gets a value. ``parameters_on_meta`` lets the constructor run on the CPU and
+moves each parameter to meta as it is registered (torch's parameter registration
+hook), so buffers keep their computed values and initializers run on meta, costing
+nothing. It acts only in the threads inside the block (simulated ranks are threads).
 """
 
 from __future__ import annotations
@@ -18,33 +13,24 @@ from __future__ import annotations
 import contextlib
 import threading
 
-from torch import nn
+from torch.nn.modules.module import register_module_parameter_registration_hook
 
-_LOCK = threading.Lock()
 _INSIDE = threading.local()  # .depth: how deep this thread is in parameters_on_meta
-_PATCH = {"users": 0, "original": None}
 
 
-def _register(module, name, param):
+def _to_meta(module, name, param):
     if getattr(_INSIDE, "depth", 0) and param is not None and not param.is_meta:
-        param = type(param)(param.detach().to("meta"), requires_grad=param.requires_grad)
-    _PATCH["original"](module, name, param)
+        return type(param)(param.detach().to("meta"), requires_grad=param.requires_grad)
+    return None  # keep it
 
 
 @contextlib.contextmanager
 def parameters_on_meta():
     """Within the block, every parameter a module registers in this thread goes to ``meta``."""
-    with _LOCK:
-        if _PATCH["users"] == 0:
-            _PATCH["original"] = nn.Module.register_parameter
-            nn.Module.register_parameter = _register
-        _PATCH["users"] += 1
     _INSIDE.depth = getattr(_INSIDE, "depth", 0) + 1
+    handle = register_module_parameter_registration_hook(_to_meta)
     try:
         yield
     finally:
+        handle.remove()
         _INSIDE.depth -= 1
-        with _LOCK:
-            _PATCH["users"] -= 1
-            if _PATCH["users"] == 0:
-                nn.Module.register_parameter = _PATCH["original"]

@@ -57,7 +57,13 @@ for it. ``extra`` carries the step, the data position and each rank's RNG
 streams, so ``--resume DIR`` (the newest ``step-*`` in it, or a checkpoint
 directory itself) continues exactly: the next losses equal those of an
 uninterrupted run. A checkpoint loads at any other mesh (the streams then
-start afresh).
+start afresh). ``--resume auto`` resumes the newest complete checkpoint in
+``--save``'s directory if there is one, and so does a run that torchrun
+restarts (``--max-restarts``, ``TORCHELASTIC_RESTART_COUNT`` > 0) with
+``--save``: a killed rank costs the steps since the last checkpoint.
+``--timeout SECONDS``: a collective of a step or save that waits longer for
+its peers (a hung rank) raises ``CommunicationError`` naming the step and the
+collective's site. ``shardplan.faults`` injects kills and hangs for tests.
 
 ``train(config)`` is the same thing as a function (losses per step, on every
 rank); call it inside an initialized process group (e.g. a ``RealRanks``
@@ -78,6 +84,7 @@ import time
 import typing
 import warnings
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -87,6 +94,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from .. import checkpoint
+from ..faults import inject
 from ..api import parallelize
 from ..models.factory import call_factory, import_factory
 from ..runtime.consistency import agree, assert_same_across, check_replicas
@@ -97,6 +105,7 @@ from .optim import (TPGradScaler, average_gradients, build_optimizer, clip_grad_
 from ..layouts import MeshDim
 from ..parallel_dims import ParallelDims
 from ..runtime.random import MODEL_PARALLEL, REPLICATED, manual_seed
+from ..torch_compat import set_pg_timeout
 
 __all__ = ["TrainConfig", "Trainer", "TokenData", "build_model", "training_step", "train",
            "main", "parse_args", "VOCAB"]
@@ -144,8 +153,14 @@ class TrainConfig:
     save_every: int = option(0, "steps between checkpoints (0: only at the end)")
     async_save: bool = option(False, "write each checkpoint in the background while training "
                                      "goes on (the next save waits for it)")
-    resume: str | None = option(None, "a --save directory (its newest step-*) or a checkpoint "
-                                      "directory", metavar="DIR")
+    resume: str | None = option(None, "a --save directory (its newest step-*), a checkpoint "
+                                      "directory, or auto: the newest checkpoint in --save's "
+                                      "directory if it has one (a torchrun restart with --save "
+                                      "resumes so by itself)", metavar="DIR|auto")
+    timeout: float | None = option(None, "seconds a collective of the training steps and "
+                                         "saves waits for its peers before it raises an error "
+                                         "naming it and the step (default: torch's, 30 min on "
+                                         "gloo, 10 on NCCL)", metavar="SECONDS")
     on_nonfinite: str = option("stop", "a NaN or inf loss or gradient norm on any rank: "
                                        "stop every rank with an error, or skip the step on "
                                        "every rank", choices=NONFINITE_CHOICES)
@@ -193,6 +208,11 @@ class TrainConfig:
             raise ConfigurationError(f"min_lr={self.min_lr} must be in [0, lr={self.lr}]")
         if not 0 <= self.seed < 2 ** 31:
             raise ConfigurationError(f"seed={self.seed} must be in [0, 2**31)")
+        if self.resume == "auto" and not self.save:
+            raise ConfigurationError("resume='auto' without a save directory", where="--resume auto",
+                                     fix="pass --save DIR too: auto resumes its newest checkpoint")
+        if self.timeout is not None and self.timeout <= 0:
+            raise ConfigurationError(f"timeout={self.timeout} must be > 0 seconds")
         if self.save_every and not self.save:
             raise ConfigurationError(f"save_every={self.save_every} without a save directory",
                                      fix="pass --save DIR too")
@@ -387,13 +407,25 @@ def init_distributed(device: torch.device) -> bool:
     # consistency checks (model checksum, replica fingerprints)
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None,
+                                **_attempt_store())
     else:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
                                 rank=0, world_size=1)
     return True
 
 
+def _attempt_store() -> dict:
+    """Under torchrun's restarts, its agent's store with the keys of this attempt only
+    (``init_process_group`` arguments; none otherwise). A restarted group in the store it
+    shares would read the previous attempt's addresses (pytorch/pytorch#135712)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {"store": dist.PrefixStore(f"shardplan.train/attempt-{attempt}", store),
+            "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
 
 
 # --------------------------------------------------------------------------
@@ -469,6 +501,7 @@ def training_step(model: nn.Module, optimizer, scaler: TPGradScaler, batch, *,
         loss = loss_of(model(x, y))
     scale = scaler.get_scale() if config.fp16 else None  # the scale this backward uses
     scaler.scale(loss).backward()  # without fp16: loss.backward()
+    inject("step")  # fault-injection tests only (shardplan.faults)
     scaler.unscale_(optimizer)  # clip unscaled gradients; fp16's agreed overflow check
     if config.clip > 0:
         norm = clip_grad_norm_(model, config.clip, dp_group=dp_group)
@@ -535,8 +568,11 @@ class Trainer:
         self.skipped_steps = 0  # of them, those whose optimizer step was skipped
         self.history: list[dict] = []
         self.pending: checkpoint.PendingSave | None = None  # an --async-save under way
-        if config.resume:
-            self.resume(config.resume)
+        start = resume_point(config)
+        if start is not None:
+            self.resume(start)
+        if config.timeout is not None:  # from the first step: ranks set up at their own pace
+            _set_timeout(self.dims.mesh, config.timeout)
 
     # -- one step ----------------------------------------------------------
     def train_step(self) -> dict:
@@ -544,8 +580,11 @@ class Trainer:
         lr = c.lr_at(step)
         batch = tuple(t.to(self.device, non_blocking=True)
                       for t in self.data.batch(step, self.dp_rank))
-        done = training_step(self.sharded, self.optimizer, self.scaler, batch, config=c, lr=lr,
-                             dp_group=self.dp_group, group=self.world_group)
+        try:
+            done = training_step(self.sharded, self.optimizer, self.scaler, batch, config=c,
+                                 lr=lr, dp_group=self.dp_group, group=self.world_group)
+        except CommunicationError as e:  # a dead or hung peer: say which step
+            raise _in_step(e, step + 1) from e
         if done.nonfinite and c.on_nonfinite == "stop":  # the same decision on every rank
             raise NonFiniteError(f"step {step + 1}: {_nonfinite_text(done.nonfinite)}",
                                  where="shardplan.train (--on-nonfinite stop)",
@@ -560,7 +599,7 @@ class Trainer:
                   f"({self.skipped_steps} skipped so far)", file=sys.stderr, flush=True)
         mean = done.loss.float().reshape(1)
         for group in self.dims.dp_groups:  # the sum over every data-parallel rank
-            dist.all_reduce(mean, group=group.pg)
+            mean = group.all_reduce(mean, site=f"step {step + 1}'s mean loss")
         mean /= self.dp
         self.step += 1
         record = {"step": self.step, "loss": mean.item(), "lr": lr,
@@ -676,7 +715,6 @@ class Trainer:
             dist.barrier()
 
     def resume(self, path) -> None:
-        path = resolve_checkpoint(path)
         extra = checkpoint.load(self.sharded, path, optimizer=self.optimizer)
         rng = extra.get("rng") or []
         extra["rng"] = rng[self.rank] if len(rng) == self.world else _rng_json(
@@ -726,6 +764,19 @@ class Trainer:
               f"data {c.data or 'synthetic'}", flush=True)
 
 
+def _in_step(e: CommunicationError, step: int) -> CommunicationError:
+    """``e`` with the step it stopped named first."""
+    out = CommunicationError(f"step {step}: {e.what}", where=e.where, source=e.source, fix=e.fix)
+    out.secondary = getattr(e, "secondary", False)
+    return out
+
+
+def _set_timeout(mesh, seconds: float) -> None:
+    """Every process group of the run waits at most ``seconds`` for its peers."""
+    for pg in [dist.group.WORLD, *(mesh.get_group(n) for n in mesh.mesh_dim_names)]:
+        set_pg_timeout(timedelta(seconds=seconds), pg)
+
+
 def _nonfinite_text(found: dict[str, list[int]]) -> str:
     """``{"loss": [1]}`` as ``non-finite loss on rank 1``."""
     return "; ".join(f"non-finite {what} on rank{'s' * (len(ranks) > 1)} "
@@ -740,18 +791,34 @@ def _is_checkpoint(path: Path) -> bool:
     return (path / ".metadata").is_file() or (path / "index.json").is_file()
 
 
+def newest_checkpoint(path) -> Path | None:
+    """The complete ``step-*`` checkpoint of the highest step in ``path``; None if none."""
+    found = sorted((int(m.group(1)), p) for p in Path(path).glob("step-*")
+                   if (m := _STEP_DIR.match(p.name)) and _is_checkpoint(p))
+    return found[-1][1] if found else None
+
+
 def resolve_checkpoint(path) -> Path:
     """``path`` itself if it is a checkpoint, else its newest ``step-*`` checkpoint."""
     path = Path(path)
     if _is_checkpoint(path):
         return path
-    found = sorted((int(m.group(1)), p) for p in path.glob("step-*")
-                   if (m := _STEP_DIR.match(p.name)) and _is_checkpoint(p))
-    if not found:
+    found = newest_checkpoint(path)
+    if found is None:
         raise ConfigurationError(f"--resume {path}: no checkpoint there",
                                  fix="give a --save directory (its newest step-* is used) "
                                      "or one step-* checkpoint directory")
-    return found[-1][1]
+    return found
+
+
+def resume_point(config: TrainConfig) -> Path | None:
+    """The checkpoint a run starts from, None for a fresh start: ``--resume``'s; with
+    ``--resume auto``, or when torchrun restarts a run (``TORCHELASTIC_RESTART_COUNT``
+    > 0) with ``--save`` and no ``--resume``, the newest in ``--save``'s directory."""
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+    if config.resume == "auto" or (config.resume is None and config.save and restarted):
+        return newest_checkpoint(config.save)
+    return None if config.resume is None else resolve_checkpoint(config.resume)
 
 
 def train(config: TrainConfig) -> list[float]:
