@@ -180,7 +180,7 @@ def test_bad_options_exit_2(capsys):
 
 @pytest.mark.real
 @pytest.mark.timeout(300)
-def test_demo_with_pipeline_parallelism(tmp_path, capsys):
+def test_demo_pp2_matches_unsharded(tmp_path, capsys):
     """pp=2 (tp=1: two processes): the pipeline's loss curve equals the unsharded run's,
     the plan shows the two stages, and no samples are drawn (generation does not run
     through a pipeline yet)."""
