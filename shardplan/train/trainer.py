@@ -1,4 +1,4 @@
-"""Train a language model with tensor (and data) parallelism: the entry point for torchrun.
+"""Train a language model with tensor, pipeline and data parallelism: the entry point for torchrun.
 
     torchrun --nproc-per-node 4 -m shardplan.train --tp 2 --model gpt-tiny --steps 200 \\
         --batch-size 8 --seq-len 32 --data input.txt --save ckpt --save-every 50
