@@ -176,3 +176,35 @@ def test_bad_options_exit_2(capsys):
     assert "does not split over dp=3" in capsys.readouterr().err
     assert demo.main(["--dp", "3"]) == 2  # python -m shardplan.train.demo: the same
     assert "does not split over dp=3" in capsys.readouterr().err
+
+
+@pytest.mark.real
+@pytest.mark.timeout(300)
+def test_demo_pp2_matches_unsharded(tmp_path, capsys):
+    """pp=2 (tp=1: two processes): the pipeline's loss curve equals the unsharded run's,
+    the plan shows the two stages, and no samples are drawn (generation does not run
+    through a pipeline yet)."""
+    from shardplan.cli import main
+    out = str(tmp_path / "demo-out")
+    assert main(["demo", "--steps", "3", "--size", "tiny", "--tp", "1", "--pp", "2",
+                 "--out", out]) == 0
+    text = capsys.readouterr().out
+    assert "starting 2 gloo processes (pp=2 (1f1b, 2 microbatches) x tp=1 x dp=1)" in text
+    assert "pipeline: pp=2, schedule 1f1b" in text and "the curves match" in text
+    assert "no samples: generation does not run through a pipeline yet" in text
+    with open(os.path.join(out, "summary.json")) as f:
+        summary = json.load(f)
+    assert summary["match"] is True and summary["mesh"] == "pp=2 tp=1 dp=1"
+    assert summary["processes"] == 2 and summary["samples"] == []
+    assert summary["max_abs_diff"] < 1e-4
+    assert "| step | pp=2 tp=1 dp=1 |" in open(os.path.join(out, "summary.md")).read()
+
+
+def test_demo_refuses_pp_with_what_it_does_not_run_yet(capsys):
+    from shardplan.cli import main
+    assert main(["demo", "--pp", "2", "--dp", "2"]) == 2
+    assert "pp=2 with --dp: not supported with pp yet" in capsys.readouterr().err
+    assert main(["demo", "--pp", "4", "--size", "tiny"]) == 2  # 4 stages, 2 blocks
+    assert "4 stages (pp=4 x 1 per rank)" in capsys.readouterr().err
+    assert main(["demo", "--pp", "2", "--microbatches", "3"]) == 2
+    assert "microbatches=3 does not divide the batch of 16 rows" in capsys.readouterr().err

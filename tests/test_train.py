@@ -20,12 +20,13 @@ from shardplan.models import build
 from shardplan.train.optim import (build_optimizer, clip_grad_norm_, cosine_scheduler, grad_norm,
                              lr_schedule)
 from shardplan.ranks import SimulatedRanks
-from shardplan.train.trainer import (TokenData, TrainConfig, parse_args, resolve_checkpoint,
-                                     resume_point)
+from shardplan.layouts import Placement, Shard
+from shardplan.train.trainer import (TokenData, TrainConfig, build_model, parallel_dims,
+                                     parse_args, resolve_checkpoint, resume_point)
 from checks import full_gradient
 from train_cases import (BASE, clip_dp_rank, clip_rank, nonfinite_dp_rank, nonfinite_rank,
-                         reference_losses, rel_close, resume_rank, torch_clip, train_rank,
-                         trainer_rank)
+                         pipeline_rank, reference_losses, reference_training, rel_close,
+                         resume_rank, torch_clip, train_rank, trainer_rank)
 
 
 # -- the schedule -----------------------------------------------------------------------------
@@ -411,3 +412,114 @@ def test_factory_model_llama_tp4(real_ranks):
 # The real entry point under torchrun (the default group from its environment, a data file,
 # checkpoints, logging on rank 0 only, a clean exit): the uninterrupted run of
 # test_cli_e2e.py's test_torchrun_resume_continues_the_uninterrupted_run, one launch for both.
+
+
+# -- pipeline parallelism (--pp) ---------------------------------------------------------------
+
+@pytest.mark.parametrize("argv,flags", [
+    (["--pp", "2", "--dp", "2"], ["--dp"]),
+    (["--pp", "2", "--dp-replicate", "2"], ["--dp-replicate"]),
+    (["--pp", "2", "--dp-shard", "2"], ["--dp-shard", "--fsdp"]),
+    (["--pp", "2", "--fsdp"], ["--fsdp"]),
+    (["--pp", "2", "--sequence-parallel"], ["--sequence-parallel"]),
+    (["--pp", "2", "--save", "ck"], ["--save"]),
+    (["--pp", "2", "--resume", "ck"], ["--resume"]),
+    (["--pp", "2", "--fp16"], ["--fp16"]),
+    (["--pp", "2", "--bf16", "--recompute", "--compile"], ["--bf16", "--recompute", "--compile"]),
+])
+def test_pp_refuses_the_options_it_does_not_run_yet(argv, flags):
+    with pytest.raises(ConfigurationError) as e:
+        parse_args(argv)
+    text = str(e.value)
+    assert f"pp=2 with {', '.join(flags)}: not supported with pp yet" in text, text
+
+
+def test_pp_refuses_data_parallel_ranks_left_by_the_world():
+    """pp 2 x tp 1 on 4 ranks would leave 2 replicas: refused; tp left out takes the rest."""
+    with pytest.raises(ConfigurationError, match="leaves 2 data-parallel ranks: data "
+                                                 "parallelism is not supported with pp yet"):
+        parallel_dims(parse_args(["--pp", "2", "--tp", "1"]), 4)
+    dims = parallel_dims(parse_args(["--pp", "2"]), 4)
+    assert (dims.pp, dims.tp, dims.dp) == (2, 2, 1)
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--pp", "2", "--batch-size", "6", "--microbatches", "4"],
+     ["microbatches=4 does not divide the batch of 6 rows"]),
+    (["--pp", "4", "--batch-size", "6"], ["microbatches=4 does not divide the batch of 6 rows"]),
+    (["--pp", "2", "--microbatches", "1"], ["'1f1b' needs at least pp=2 microbatches"]),
+    (["--pp", "2", "--microbatches", "0"], ["microbatches=0 must be a positive int"]),
+    (["--pp", "2", "--schedule", "gpipe", "--virtual-stages", "2"],
+     ["virtual_stages=2 with schedule='gpipe'", "interleaved"]),
+    (["--microbatches", "2"], ["--microbatches without --pp"]),
+    (["--schedule", "gpipe", "--virtual-stages", "2"],
+     ["--schedule, --virtual-stages without --pp"]),
+    (["--pp", "0"], ["pp=0 must be >= 1"]),
+])
+def test_pp_arguments_are_checked(argv, words):
+    with pytest.raises(ConfigurationError) as e:
+        parse_args(argv)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_pp_defaults_and_schedules():
+    c = parse_args(["--pp", "2"])
+    assert (c.schedule, c.microbatches, c.virtual_stages) == ("1f1b", 2, None)
+    c = parse_args(["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2",
+                    "--microbatches", "4"])
+    assert (c.pp, c.schedule, c.microbatches, c.virtual_stages) == (2, "interleaved", 4, 2)
+    assert parse_args(["--pp", "2", "--schedule", "gpipe", "--microbatches", "1"]).pp == 2
+    with pytest.raises(SystemExit):  # argparse lists the schedules
+        parse_args(["--pp", "2", "--schedule", "zigzag"])
+    with pytest.raises(ConfigurationError, match="unknown schedule 'zigzag'"):
+        TrainConfig(pp=2, schedule="zigzag")
+
+
+#: 3 steps of 4 sequences, clipped at a norm the gradients are far above
+PP_BASE = dict(BASE, dp=None, batch_size=4, steps=3, clip=0.05, check_replicas_every=0)
+#: case -> (world size, the pipeline's options)
+PP_RUNS = {"pp2": (2, dict(pp=2, tp=1, schedule="1f1b", microbatches=2)),
+           "pp2-tp2": (4, dict(pp=2, tp=2, schedule="1f1b", microbatches=2))}
+
+
+def _slice(full: torch.Tensor, layout: str, rank: int, tp: int) -> torch.Tensor:
+    """Rank ``rank``'s part of ``full`` held as ``layout`` over ``tp`` ranks."""
+    lay = Placement.parse(layout)
+    return lay.slice(full, rank, tp) if isinstance(lay, Shard) else full
+
+
+@pytest.mark.real
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", list(PP_RUNS))
+def test_pp_training_equals_unsharded(real_ranks, case):
+    """pp 2 (2 ranks) and pp 2 x tp 2 (4 ranks): on every rank the losses and clipped
+    gradient norms of each step are the unsharded model's on the global batch (torch's
+    clip_grad_norm_, biting at every step), and after the last step each parameter the
+    rank holds is its slice of the unsharded one; each rank holds its stage only."""
+    world, sizes = PP_RUNS[case]
+    cfg = dict(PP_BASE, **sizes)
+    pp, tp = sizes["pp"], sizes["tp"]
+    want, want_norms, state = reference_training(cfg, dp=1)
+    assert all(n > 10 * cfg["clip"] for n in want_norms), want_norms  # the clip bites
+    model = build_model(TrainConfig(**cfg))
+    total = sum(p.numel() for p in model.parameters())
+    runs = real_ranks(world).run(pipeline_rank, cfg)
+    held = set()
+    for rank, r in enumerate(runs):
+        assert (r["pp_rank"], r["tp_rank"]) == divmod(rank, tp) and r["stages"] == [r["pp_rank"]]
+        assert r["history"] == runs[0]["history"], f"rank {rank} reports other losses"
+        rel_close([h["loss"] for h in r["history"]], want, 1e-5, f"rank {rank} loss")
+        rel_close([h["grad_norm"] for h in r["history"]], want_norms, 1e-4,
+                  f"rank {rank} grad norm")
+        params = r["params"]
+        for n, t in params.items():
+            torch.testing.assert_close(t, _slice(state[n], r["layouts"][n], r["tp_rank"], tp),
+                                       rtol=0, atol=1e-4, msg=f"rank {rank} {n}")
+        mine = sum(t.numel() for t in params.values())
+        assert mine < 1.4 * total / (pp * tp), f"rank {rank} holds {mine} of {total}"
+        assert {n for n in params if n.startswith("transformer.h.")} == \
+            {n for n in state if n.startswith(f"transformer.h.{r['pp_rank']}.")}, rank
+        if tp > 1:
+            assert any(lay != "R" for lay in r["layouts"].values()), f"rank {rank} unsplit"
+        held |= set(params)
+    assert held == {n for n, _ in model.named_parameters(remove_duplicate=False)}

@@ -253,6 +253,12 @@ def overflow_rank(ctx, agreeing: bool, mode: str):
 def reference_losses(cfg: dict, dp: int) -> tuple[list[float], list[float]]:
     """One process, the unsharded model, the global batch (``batch_size * dp`` rows) per step,
     torch's own clipping: (losses, gradient norms)."""
+    losses, norms, _ = reference_training(cfg, dp)
+    return losses, norms
+
+
+def reference_training(cfg: dict, dp: int) -> tuple[list[float], list[float], dict]:
+    """``reference_losses`` and the trained model's state dict."""
     c = TrainConfig(**cfg)
     data = TokenData(c.data, seq_len=c.seq_len, batch_size=c.batch_size * dp, dp=1, seed=c.seed)
     with torch.random.fork_rng(devices=[]):
@@ -272,7 +278,23 @@ def reference_losses(cfg: dict, dp: int) -> tuple[list[float], list[float]]:
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip).item())
         opt.step()
         losses.append(loss.item())
-    return losses, norms
+    return losses, norms, {n: t.detach() for n, t in model.state_dict().items()}
+
+
+@isolated
+def pipeline_rank(ctx, cfg: dict):
+    """Train with ``--pp`` (``cfg``) on this rank: the history, this rank's parameters by
+    FQN and their layouts over its tp group ("R" on a plain stage), the stages it holds
+    and its pp and tp rank."""
+    trainer = Trainer(TrainConfig(**cfg))
+    trainer.run()
+    pipe = trainer.pipe
+    layouts = {n: str(lay) for m in pipe.modules.values() if isinstance(m, ShardedModule)
+               for n, lay in m.layouts.items()}
+    params = {n: p.detach() for n, p in pipe.named_parameters()}
+    return {"history": trainer.history, "params": params,
+            "layouts": {n: layouts.get(n, "R") for n in params}, "stages": sorted(pipe.modules),
+            "pp_rank": ctx.rank // trainer.tp, "tp_rank": trainer.tp_rank}
 
 
 def tiny_llama():

@@ -132,11 +132,12 @@ def stage_plan(model: nn.Module, inputs: tuple, dims: ParallelDims, microbatches
 
 
 class Shared:
-    """A parameter of the model on several stages, and the shape and dtype of the
-    tensor each of them holds on this rank (its tp shard)."""
+    """A parameter of the model on several stages: its FQNs, the stages that hold it, and
+    the shape and dtype of the tensor each of them holds on this rank (its tp shard)."""
 
-    def __init__(self, aliases: tuple[str, ...], shape: torch.Size, dtype: torch.dtype):
-        self.aliases, self.shape, self.dtype = aliases, shape, dtype
+    def __init__(self, aliases: tuple[str, ...], stages: tuple[int, ...], shape: torch.Size,
+                 dtype: torch.dtype):
+        self.aliases, self.stages, self.shape, self.dtype = aliases, stages, shape, dtype
 
 
 class Pipeline:
@@ -177,6 +178,23 @@ class Pipeline:
 
     def parameters(self):
         return (p for _, p in self.named_parameters())
+
+    @property
+    def pp_group(self) -> Group:
+        """This rank's group along "pp": the ranks of its tp rank, one per pp rank."""
+        return self.dims.group(MeshDim.PP)
+
+    def copies(self) -> set[int]:
+        """The ids of this rank's parameters that are copies of a parameter an earlier
+        stage holds too (a tied embedding on the last stage): after ``step`` they equal
+        that stage's, so a global gradient norm leaves them out and counts it once."""
+        out = set()
+        for shared in self._shared:
+            for s, module in self.modules.items():
+                if s != min(shared.stages):
+                    out |= {id(p) for n, p in _stage_parameters(module).items()
+                            if n in shared.aliases}
+        return out
 
     def step(self, inputs, targets: torch.Tensor, broadcast_loss: bool = False):
         """One forward and backward of the batch through the schedule, leaving the
@@ -350,14 +368,16 @@ def _shared_parameters(model: nn.Module, pipe, num_stages: int, modules: dict[in
     ``ConfigurationError``."""
     holders = [{n for n, _ in pipe.get_stage_module(s).named_parameters(
         remove_duplicate=False)} for s in range(num_stages)]
-    shared = [aliases for aliases in _aliases(model)
-              if sum(bool(holders[s] & set(aliases)) for s in range(num_stages)) > 1]
+    held_by = {aliases: tuple(s for s in range(num_stages) if holders[s] & set(aliases))
+               for aliases in _aliases(model)}
+    shared = [aliases for aliases, stages in held_by.items() if len(stages) > 1]
     mine = [{s: _shard_form(module, aliases) for s, module in modules.items()
              if set(aliases) & set(_stage_parameters(module))} for aliases in shared]
     everyone: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
-    return [Shared(aliases, *one_form(aliases, {s: form for rank_forms in everyone
-                                                  for s, form in rank_forms[i].items()}))
+    return [Shared(aliases, held_by[aliases],
+                   *one_form(aliases, {s: form for rank_forms in everyone
+                                       for s, form in rank_forms[i].items()}))
             for i, aliases in enumerate(shared)]
 
 

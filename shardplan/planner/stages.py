@@ -92,9 +92,10 @@ def check_schedule(schedule: str, virtual_stages: int | None, *, known, where: s
 
 
 def check_microbatches(microbatches, *, pp: int, per_rank: int, schedule: str, rows: set,
-                       n_blocks: int, layers: str, where: str) -> None:
+                       n_blocks: int | None, layers: str, where: str) -> None:
     """``microbatches`` a positive int dividing the batch (``rows``: the first dimension
-    of each input), enough of them for ``schedule``, and no more stages than blocks."""
+    of each input), enough of them for ``schedule``, and no more stages than blocks
+    (``n_blocks``; None: not checked, the model is not built yet)."""
     if not arguments.is_int(microbatches) or microbatches < 1:
         raise ConfigurationError(f"microbatches={microbatches!r} must be a positive int",
                                  where=where,
@@ -119,7 +120,7 @@ def check_microbatches(microbatches, *, pp: int, per_rank: int, schedule: str, r
             f"schedule={schedule!r} runs microbatches // pp = {rounds} rounds, and "
             f"microbatches={microbatches} is not a multiple of them", where=where,
             fix=f"pass a multiple of {pp} microbatches")
-    if pp * per_rank > n_blocks:
+    if n_blocks is not None and pp * per_rank > n_blocks:
         raise ConfigurationError(
             f"{pp * per_rank} stages (pp={pp} x {per_rank} per rank) but "
             f"{layers!r} has {n_blocks} blocks", where=where,

@@ -2,6 +2,7 @@
 
     shardplan demo                       # tp=2: two gloo processes, about a minute
     shardplan demo --tp 2 --dp 2 --size tiny --steps 60 --out /tmp/demo
+    shardplan demo --tp 1 --pp 2         # two pipeline stages (1F1B, 2 microbatches)
 
 1. plans the bundled GPT (byte tokens, sized for text) and prints the memory
    and communication summary of the layout report;
@@ -11,13 +12,18 @@
    1.0 that counts replicated gradients once, gradients averaged over the dp
    replicas, or FSDP2 over them with ``--fsdp``) on the public-domain corpus
    bundled in ``shardplan.data``, one
-   step at a time behind a progress line;
+   step at a time behind a progress line; with ``--pp N`` the ranks are a
+   pp x tp mesh, the model cut into N stages run by a pipeline schedule
+   (``--schedule``, ``--microbatches``; not yet with ``--dp`` or the options
+   the trainer refuses with pp);
 3. trains the unsharded model on the same batches in this process with the
    ranks' own step (``trainer.training_step``: the same optimizer, schedule
    and clipping) and compares the two loss curves step by step;
 4. writes ``loss.png`` (both curves and the verdict, with matplotlib:
    ``shardplan.train.plot``), ``plan.json``, ``summary.md`` and
-   ``summary.json`` into the output folder.
+   ``summary.json`` into the output folder, with lines sampled from the trained
+   sharded model (not with ``--pp``: generation does not run through a pipeline
+   yet).
 
 Exit status 0 when the curves agree within fp32 tolerance, 1 when not, 2 for
 bad options.
@@ -72,6 +78,18 @@ class DemoConfig:
     sequence_parallel: bool = False
     fsdp: bool = False  # FSDP2 over the dp ranks instead of replicas
     compile: str | None = None  # a torch.compile backend for the sharded graph
+    pp: int = 1  # pipeline stages
+    schedule: str | None = None  # the pipeline's schedule (with pp > 1; default 1f1b)
+    microbatches: int | None = None  # with pp > 1 (default: pp)
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.tp * self.dp
+
+    @property
+    def label(self) -> str:
+        """``tp=2 dp=1``, with ``pp=2 `` first for a pipeline."""
+        return f"{f'pp={self.pp} ' if self.pp > 1 else ''}tp={self.tp} dp={self.dp}"
 
     @property
     def block(self) -> int:
@@ -102,8 +120,8 @@ def train_config(cfg: DemoConfig, data: str):
                        lr=cfg.lr, warmup=cfg.warmup, clip=cfg.clip,
                        weight_decay=cfg.weight_decay, seed=cfg.seed, data=data,
                        log_every=0, device="cpu", sequence_parallel=cfg.sequence_parallel,
-                       fsdp=cfg.fsdp,
-                       compile=cfg.compile)
+                       fsdp=cfg.fsdp, compile=cfg.compile, pp=cfg.pp,
+                       schedule=cfg.schedule, microbatches=cfg.microbatches)
 
 
 @contextlib.contextmanager
@@ -123,7 +141,7 @@ def _rank_setup(ctx, tc) -> int:
     from .trainer import Trainer
     _RANK.clear()
     _RANK["trainer"] = Trainer(tc)
-    return sum(p.numel() for p in _RANK["trainer"].sharded.parameters())
+    return sum(p.numel() for p in _RANK["trainer"].trained.parameters())
 
 
 def _rank_steps(ctx, n: int) -> list[tuple[float, float]]:
@@ -187,7 +205,7 @@ def _train_sharded(cfg: DemoConfig, tc, ranks, times: dict) -> list[tuple[float,
     t0 = time.perf_counter()
     ranks.run(_rank_setup, tc)
     times["parallelize"] = time.perf_counter() - t0
-    bar = Progress(cfg.steps, f"tp={cfg.tp} dp={cfg.dp}")
+    bar = Progress(cfg.steps, cfg.label)
     curve, t_train = [], 0.0
     for step in range(cfg.steps):
         t0 = time.perf_counter()
@@ -196,9 +214,11 @@ def _train_sharded(cfg: DemoConfig, tc, ranks, times: dict) -> list[tuple[float,
         bar.update(step + 1, curve[-1][0], (step + 1) * cfg.batch * cfg.block / t_train)
     bar.close()
     times["train_sharded"] = t_train
-    t0 = time.perf_counter()
-    samples = ranks.run(_rank_sample, min(48, cfg.block - 4))[0]
-    times["sample"] = time.perf_counter() - t0
+    samples = []
+    if cfg.pp == 1:  # generation does not run through a pipeline yet
+        t0 = time.perf_counter()
+        samples = ranks.run(_rank_sample, min(48, cfg.block - 4))[0]
+        times["sample"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     ranks.run(_rank_close)
     times["check_replicas"] = time.perf_counter() - t0
@@ -252,9 +272,10 @@ def check(cfg: DemoConfig) -> None:
     from ..errors import ConfigurationError
     if cfg.size not in SIZES:
         raise ConfigurationError(f"unknown size {cfg.size!r}", fix=f"use one of {', '.join(SIZES)}")
-    if cfg.tp < 1 or cfg.dp < 1 or cfg.steps < 1 or cfg.batch < 1:
-        raise ConfigurationError(f"--tp, --dp, --steps and --batch must be positive, got "
-                                 f"tp={cfg.tp} dp={cfg.dp} steps={cfg.steps} batch={cfg.batch}")
+    if cfg.tp < 1 or cfg.dp < 1 or cfg.pp < 1 or cfg.steps < 1 or cfg.batch < 1:
+        raise ConfigurationError(f"--tp, --dp, --pp, --steps and --batch must be positive, "
+                                 f"got tp={cfg.tp} dp={cfg.dp} pp={cfg.pp} steps={cfg.steps} "
+                                 f"batch={cfg.batch}")
     if cfg.batch % cfg.dp:
         raise ConfigurationError(f"the batch of {cfg.batch} sequences does not split over "
                                  f"dp={cfg.dp}", fix="pick --dp dividing --batch")
@@ -279,22 +300,26 @@ def _run(cfg: DemoConfig, data: str) -> int:
     plot.pyplot()  # without matplotlib, fail now rather than after training
     t_start = time.perf_counter()
     os.makedirs(cfg.out, exist_ok=True)
-    tc = train_config(cfg, data)
+    tc = train_config(cfg, data)  # the trainer's checks: what pp does not run yet
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(tc.seed)  # as every rank's Trainer does: the same initial weights
         model = build_model(tc)
     n_params = sum(p.numel() for p in model.parameters())
     corpus = TokenData(data, seq_len=tc.seq_len, batch_size=tc.batch_size, dp=cfg.dp,
                        seed=tc.seed)
-    plan = shardplan.plan(model, cfg.tp, example_inputs=corpus.batch(0, 0))
+    pipeline = dict(pp=tc.pp, schedule=tc.schedule, microbatches=tc.microbatches) \
+        if tc.pp > 1 else {}
+    plan = shardplan.plan(model, cfg.tp, example_inputs=corpus.batch(0, 0), **pipeline)
     times = {"plan": time.perf_counter() - t_start}
     m = SIZES[cfg.size]
     print(f"shardplan demo: GPT {cfg.size} ({n_params / 1e6:.2f} M parameters, {m['n_layer']} "
           f"layers, n_embd {m['n_embd']}, byte tokens), {len(corpus.tokens) / 1024:.0f} KiB of "
           f"public-domain text, {cfg.steps} steps of {cfg.batch} x {cfg.block} tokens\n")
     print(_plan_summary(plan))
-    world = cfg.tp * cfg.dp
-    print(f"\nstarting {world} gloo processes (tp={cfg.tp} x dp={cfg.dp}"
+    world = cfg.world
+    stages = f"pp={cfg.pp} ({tc.schedule}, {tc.microbatches} microbatches) x " \
+        if cfg.pp > 1 else ""
+    print(f"\nstarting {world} gloo processes ({stages}tp={cfg.tp} x dp={cfg.dp}"
           f"{', FSDP2 over dp' if cfg.fsdp else ''}) ...", flush=True)
     t0 = time.perf_counter()
     with RealRanks(world) as ranks:
@@ -314,7 +339,7 @@ def _run(cfg: DemoConfig, data: str) -> int:
              for name in ("loss.png", "plan.json", "summary.json", "summary.md")}
     plot.save_png(plot.loss_figure(
         [plot.Curve("unsharded", b, "tab:orange", 5.0),
-         plot.Curve(f"tp={cfg.tp} dp={cfg.dp}{' FSDP2' if cfg.fsdp else ''} ({world} gloo "
+         plot.Curve(f"{cfg.label}{' FSDP2' if cfg.fsdp else ''} ({world} gloo "
                     "processes)", a, "tab:blue", 1.5)],
         title=f"shardplan demo: GPT {cfg.size}, training loss",
         verdict=f"max |Δloss| {max(diffs):.1e}: {'match' if ok else 'DISAGREE'}"),
@@ -323,7 +348,8 @@ def _run(cfg: DemoConfig, data: str) -> int:
         f.write(plan.to_json())
     times["total"] = time.perf_counter() - t_start
     summary = {
-        "config": asdict(cfg), "model": dict(m, parameters=n_params),
+        "config": asdict(cfg), "mesh": cfg.label, "processes": world,
+        "model": dict(m, parameters=n_params),
         "corpus_bytes": len(corpus.tokens), "tokens_per_step": tokens,
         "losses": {"sharded": a, "unsharded": b},
         "grad_norms": {"sharded": [n for _, n in sharded], "unsharded": [n for _, n in unsharded]},
@@ -350,11 +376,14 @@ def _run(cfg: DemoConfig, data: str) -> int:
         f.write(_markdown(summary))
     verdict = ("the curves match" if ok else
                f"the curves DISAGREE at {len(bad)} steps (first: step {bad[0]})")
-    print(f"\nfinal loss: tp={cfg.tp} dp={cfg.dp} {a[-1]:.4f}, unsharded {b[-1]:.4f}; "
+    print(f"\nfinal loss: {cfg.label} {a[-1]:.4f}, unsharded {b[-1]:.4f}; "
           f"max |Δloss| over {cfg.steps} steps = {max(diffs):.2e} "
           f"(tolerance {_tolerance_text()}): {verdict}")
     print("seconds: " + ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in times.items()))
-    print(f"samples from the trained tp={cfg.tp} model (top-k 10, seed {SAMPLE_SEED}):")
+    if samples:
+        print(f"samples from the trained tp={cfg.tp} model (top-k 10, seed {SAMPLE_SEED}):")
+    else:
+        print("no samples: generation does not run through a pipeline yet")
     for line in samples:
         print(f"  {line!r}")
     print(f"wrote {', '.join(files.values())}")
@@ -376,7 +405,10 @@ def _markdown(s: dict) -> str:
                       for i in rows)
     verdict = "match" if s["match"] else f"DISAGREE (steps {s['steps_out_of_tolerance'][:10]})"
     sec = ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in s["seconds"].items())
-    samples = "\n".join(f"    {line!r}" for line in s["samples"])
+    samples = ("Sampled from the trained sharded model (top-k 10, seed "
+               f"{SAMPLE_SEED}):\n\n" + "\n".join(f"    {line!r}" for line in s["samples"])
+               if s["samples"] else
+               "No samples: generation does not run through a pipeline yet.")
     return f"""# shardplan demo
 
 GPT {c['size']}: {m['parameters']:,} parameters, {m['n_layer']} layers, n_embd {m['n_embd']},
@@ -387,7 +419,7 @@ decay, weight decay {c['weight_decay']:g}, gradient clipping at {c['clip']:g}, s
 
 - **Loss curves: {verdict}.** Max |Δloss| {s['max_abs_diff']:.2e}; tolerance per step
   {_tolerance_text()}.
-- Sharded: tp={c['tp']} x dp={c['dp']}, {c['tp'] * c['dp']} gloo processes,
+- Sharded: {s['mesh'].replace(' ', ' x ')}, {s['processes']} gloo processes,
   {s['tokens_per_s']['sharded']:,.0f} tokens/s.
 - Unsharded: this process, one thread, {s['tokens_per_s']['unsharded']:,.0f} tokens/s.
 - Plan: parameters per rank {human(p['param_bytes_per_rank'])} of
@@ -395,11 +427,9 @@ decay, weight decay {c['weight_decay']:g}, gradient clipping at {c['clip']:g}, s
   {p['collectives_per_step']} collectives moving {human(p['comm_bytes_per_step'])}.
 - Seconds: {sec}.
 
-| step | tp={c['tp']} dp={c['dp']} | unsharded | abs diff |
+| step | {s['mesh']} | unsharded | abs diff |
 |---:|---:|---:|---:|
 {table}
-
-Sampled from the trained sharded model (top-k 10, seed {SAMPLE_SEED}):
 
 {samples}
 
@@ -438,13 +468,22 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "with FSDP2 (e.g. --tp 2 --dp 2 --fsdp)")
     ap.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                     help="torch.compile the sharded graph with BACKEND (bare: inductor)")
+    ap.add_argument("--pp", type=int, default=d.pp,
+                    help=f"pipeline stages: pp*tp gloo processes, each stage tensor-parallel "
+                         f"over its tp ranks (not with --dp yet; default {d.pp})")
+    ap.add_argument("--schedule", default=None,
+                    help="the pipeline's schedule, with --pp: gpipe, 1f1b or interleaved "
+                         "(default 1f1b)")
+    ap.add_argument("--microbatches", type=int, default=None,
+                    help="microbatches a step's batch is cut into, with --pp (default: pp)")
 
 
 def config_from_args(args) -> DemoConfig:
     return DemoConfig(tp=args.tp, dp=args.dp, steps=args.steps, size=args.size,
                       out=args.out, seed=args.seed, batch=args.batch,
                       sequence_parallel=args.sequence_parallel, fsdp=args.fsdp,
-                      compile=args.compile)
+                      compile=args.compile, pp=args.pp, schedule=args.schedule,
+                      microbatches=args.microbatches)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -58,7 +58,8 @@ from ..runtime.comm import TorchGroup
 from ..torch_compat import FusedInfCheck, found_inf_per_device, scale_device
 
 __all__ = ["build_optimizer", "param_groups", "lr_schedule", "cosine_scheduler",
-           "clip_grad_norm_", "average_gradients", "grad_norm", "TPGradScaler"]
+           "clip_grad_norm_", "clip_pipeline_grad_norm_", "average_gradients", "grad_norm",
+           "TPGradScaler"]
 
 
 # --------------------------------------------------------------------------
@@ -209,10 +210,12 @@ def _all_reduce(t: torch.Tensor, group, op: str, site: str, direction: str = "no
 # global-norm clipping under TP
 # --------------------------------------------------------------------------
 
-def _owned(model: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor], list]:
+def _owned(model: nn.Module, copies: frozenset[int] = frozenset()
+           ) -> tuple[list[torch.Tensor], list[torch.Tensor], list]:
     """(every local gradient, the ones this rank counts in the norm, the groups to sum
     over: the TP group if any, and the groups FSDP2's ``DTensor`` gradients are
-    sharded over, if they are).
+    sharded over, if they are). ``copies``: ids of parameters another module counts
+    (a pipeline's tied copies), scaled but not counted.
 
     Each parameter's placement comes from its spec (``layouts.spec_of``); a
     parameter without one (a plain module's) is replicated.
@@ -228,6 +231,8 @@ def _owned(model: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor], li
             fsdp_groups = fsdp_groups if fsdp_groups is not None else _shard_groups(grad)
             grad = grad.to_local()
         every.append(grad)
+        if id(p) in copies:
+            continue
         spec = spec_of(p)
         lay = spec.layout[MeshDim.TP] if spec is not None else None
         if isinstance(lay, Shard):
@@ -308,11 +313,39 @@ def clip_grad_norm_(model: nn.Module, max_norm: float = 1.0, *, dp_group=None,
         average_gradients(model.parameters(), dp_group)
     every, owned, groups = _owned(model)
     total = _global_norm(owned, groups, float(norm_type), _device(model))
-    if max_norm is None or max_norm <= 0 or not every:
-        return total
+    _scale(every, total, max_norm)
+    return total
+
+
+def _scale(grads: list[torch.Tensor], total: torch.Tensor, max_norm: float | None) -> None:
+    """Scale ``grads`` by ``min(1, max_norm / (total + 1e-6))``, as torch's clipping does;
+    ``max_norm`` None or <= 0: not at all."""
+    if max_norm is None or max_norm <= 0 or not grads:
+        return
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in every:
+    for g in grads:
         g.mul_(coef.to(g.device, g.dtype))
+
+
+@torch.no_grad()
+def clip_pipeline_grad_norm_(pipe, max_norm: float | None = 1.0, *,
+                             norm_type: float = 2.0) -> torch.Tensor:
+    """``clip_grad_norm_`` of a pipeline (``parallel.pipeline.Pipeline``): the norm of
+    the unsharded model's gradient from every stage. Each rank counts what it owns of
+    its stages (its tp shards, replicated gradients on tp rank 0), a parameter held by
+    several stages (a tied embedding and head) on the first of them only; the squares
+    are summed over the tp group, then over the pp group. Every rank gets the same
+    norm and applies the same scale. Collective over the world."""
+    every, owned, groups = [], [], []
+    copies = frozenset(pipe.copies())
+    for module in pipe.modules.values():
+        mine, counted, along = _owned(module, copies)
+        every += mine
+        owned += counted
+        groups += [g for g in along if all(g is not h for h in groups)]
+    total = _global_norm(owned, [*groups, pipe.pp_group], float(norm_type),
+                         next(pipe.parameters()).device)
+    _scale(every, total, max_norm)
     return total
 
 

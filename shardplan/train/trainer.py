@@ -1,4 +1,4 @@
-"""Train a language model with tensor (and data) parallelism: the entry point for torchrun.
+"""Train a language model with tensor, pipeline and data parallelism: the entry point for torchrun.
 
     torchrun --nproc-per-node 4 -m shardplan.train --tp 2 --model gpt-tiny --steps 200 \\
         --batch-size 8 --seq-len 32 --data input.txt --save ckpt --save-every 50
@@ -10,6 +10,22 @@ shard: the model is parallelized over each "tp" row; without FSDP2
 gradients are averaged over the replicas (one flat all-reduce). NCCL when
 CUDA is available (with gloo beside it for CPU tensors), else gloo.
 Without torchrun it runs as a single process (tp = dp = 1).
+
+**Pipeline parallelism.** ``--pp N`` (``parallel.pipeline.pipeline_parallel``): the
+world is a pp x tp mesh; the model is cut into N stages (``--virtual-stages V``
+per rank with ``--schedule interleaved``) by the planner's FLOP cost, each
+stage tensor-parallel over its tp ranks, and every step runs the batch's
+``--microbatches M`` through ``--schedule`` (gpipe, 1f1b, interleaved; torch's
+``torch.distributed.pipelining``). Every rank reads the whole batch (the first
+stage takes the inputs, the last the targets); the loss is the last stage's
+mean over the microbatches, brought to every rank; the clipping norm spans
+every stage and tp rank (a tied embedding and head counted once); AdamW steps
+each rank's own stages. Not yet with data parallelism, ``--sequence-parallel``,
+``--save``/``--resume``, ``--fp16``, ``--bf16``, ``--recompute`` or ``--compile``
+(refused by name)::
+
+    torchrun --nproc-per-node 4 -m shardplan.train --pp 2 --tp 2 --schedule 1f1b \\
+        --microbatches 4 --batch-size 8 --steps 100
 
 **Data.** Byte tokens (vocabulary 256) of ``--data FILE``, or, without a file,
 a synthetic stream (a random Markov chain over bytes, so there is something
@@ -101,19 +117,24 @@ from ..runtime.consistency import agree, assert_same_across, check_replicas
 from ..runtime.comm import TorchGroup
 from ..errors import CommunicationError, ConfigurationError, NonFiniteError
 from .optim import (TPGradScaler, average_gradients, build_optimizer, clip_grad_norm_,
-                    lr_schedule)
+                    clip_pipeline_grad_norm_, lr_schedule)
 from ..layouts import MeshDim
+from ..parallel.pipeline import SCHEDULES as PIPELINE_SCHEDULES, Pipeline, pipeline_parallel
 from ..parallel_dims import ParallelDims
+from ..planner.stages import check_microbatches, check_schedule
+from ..sharded import ShardedModule
 from ..runtime.random import MODEL_PARALLEL, REPLICATED, manual_seed
 from ..torch_compat import set_pg_timeout
 
-__all__ = ["TrainConfig", "Trainer", "TokenData", "build_model", "training_step", "train",
-           "main", "parse_args", "VOCAB"]
+__all__ = ["TrainConfig", "Trainer", "TokenData", "build_model", "training_step",
+           "pipeline_step", "parallel_dims", "train", "main", "parse_args", "VOCAB"]
 
 VOCAB = 256  # byte tokens
 FORMAT = "shardplan.train/1"
 SYNTHETIC_BYTES = 1 << 16
 NONFINITE_CHOICES = ("stop", "skip")
+#: the options that only mean something with ``--pp`` > 1
+PIPELINE_OPTIONS = ("schedule", "microbatches", "virtual_stages")
 
 
 def option(default, help: str, **argparse_kwargs):
@@ -138,6 +159,16 @@ class TrainConfig:
     dp_shard: int | None = option(None, "FSDP2's shards per replica; > 1 turns --fsdp on "
                                         "(default: 1; with --fsdp, the ranks tp and "
                                         "dp-replicate leave)")
+    pp: int = option(1, "pipeline stages: the world is a pp x tp mesh, each stage tensor-"
+                        "parallel over its tp ranks (not yet with data parallelism, "
+                        "--sequence-parallel, --save/--resume, --fp16, --bf16, --recompute "
+                        "or --compile)")
+    schedule: str | None = option(None, "the pipeline's schedule, with --pp (default: 1f1b)",
+                                  choices=tuple(PIPELINE_SCHEDULES))
+    microbatches: int | None = option(None, "microbatches a batch is cut into, with --pp; "
+                                            "they divide --batch-size (default: pp)")
+    virtual_stages: int | None = option(None, "stages per rank of --schedule interleaved "
+                                              "(default: 2)")
     steps: int = option(100, "optimizer steps")
     batch_size: int = option(8, "sequences per data-parallel replica and step")
     seq_len: int = option(32, "tokens per sequence")
@@ -229,6 +260,43 @@ class TrainConfig:
             raise ConfigurationError("bf16 and fp16 are both set", where="--bf16 --fp16",
                                      fix="choose one: --bf16 (no loss scaling needed) or "
                                          "--fp16 (float16 with dynamic loss scaling)")
+        self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        """The pipeline options: only with ``pp`` > 1, defaults filled in then; the options
+        the pipeline does not run yet refused by name; the schedule, its virtual stages and
+        the microbatches checked as ``pipeline_parallel`` checks them."""
+        if self.pp < 1:
+            raise ConfigurationError(f"pp={self.pp} must be >= 1", where="--pp")
+        if self.pp == 1:
+            given = [f"--{name.replace('_', '-')}" for name in PIPELINE_OPTIONS
+                     if getattr(self, name) is not None]
+            if given:
+                raise ConfigurationError(f"{', '.join(given)} without --pp", where="--pp",
+                                         fix="pass --pp N (N >= 2 stages) to train with a "
+                                             "pipeline, or leave them out")
+            return
+        refused = [flag for flag, on in self._without_pipeline().items() if on]
+        if refused:
+            raise ConfigurationError(
+                f"pp={self.pp} with {', '.join(refused)}: not supported with pp yet",
+                where="--pp", fix=f"leave {', '.join(refused)} out to train with pipeline "
+                                  "parallelism (pp x tp), or train without --pp")
+        self.schedule = self.schedule or "1f1b"
+        self.microbatches = self.pp if self.microbatches is None else self.microbatches
+        per_rank = check_schedule(self.schedule, self.virtual_stages,
+                                  known=list(PIPELINE_SCHEDULES), where="--schedule")
+        check_microbatches(self.microbatches, pp=self.pp, per_rank=per_rank,
+                           schedule=self.schedule, rows={self.batch_size}, n_blocks=None,
+                           layers="", where="--microbatches --batch-size")
+
+    def _without_pipeline(self) -> dict[str, bool]:
+        """Each option the pipeline does not run yet, and whether it is set."""
+        return {"--dp": (self.dp or 1) > 1, "--dp-replicate": (self.dp_replicate or 1) > 1,
+                "--dp-shard": (self.dp_shard or 1) > 1, "--fsdp": self.fsdp,
+                "--sequence-parallel": self.sequence_parallel, "--save": bool(self.save),
+                "--resume": bool(self.resume), "--fp16": self.fp16, "--bf16": self.bf16,
+                "--recompute": self.recompute, "--compile": bool(self.compile)}
 
     def parallel_sizes(self) -> dict:
         """The sizes for ``ParallelDims.for_world``: ``--dp`` as its alias; with
@@ -523,6 +591,41 @@ def training_step(model: nn.Module, optimizer, scaler: TPGradScaler, batch, *,
     return StepResult(loss.detach(), norm, skipped, scale, nonfinite)
 
 
+def parallel_dims(config: TrainConfig, world: int) -> ParallelDims:
+    """The sizes of a run of ``config`` on ``world`` ranks; with --pp, a
+    ``ConfigurationError`` when pp x tp leaves data-parallel ranks (not supported with pp
+    yet)."""
+    dims = ParallelDims.for_world(world, pp=config.pp, **config.parallel_sizes())
+    if config.pp > 1 and dims.dp > 1:
+        raise ConfigurationError(
+            f"pp={config.pp} x tp={dims.tp} on {world} ranks leaves {dims.dp} data-parallel "
+            f"ranks: data parallelism is not supported with pp yet", where="--pp --tp",
+            fix="launch pp x tp processes, or leave --tp out (it takes the ranks pp leaves)")
+    return dims
+
+
+def pipeline_step(pipe: Pipeline, optimizer, batch, *, config: TrainConfig, lr: float,
+                  group=None) -> StepResult:
+    """One optimizer step of a pipeline (``--pp``) on ``batch = (inputs, targets)``, the
+    whole batch on every rank: the schedule runs its microbatches forward and backward
+    (the inputs enter the first stage, the loss is taken on the last and brought to every
+    rank: the batch's mean), the global norm over every stage and tp rank is clipped
+    (``clip_pipeline_grad_norm_``) and AdamW steps this rank's stages. A non-finite loss
+    or gradient norm on any rank of ``group`` skips the step on every rank, as in
+    ``training_step``."""
+    for param_group in optimizer.param_groups:
+        param_group["lr"] = lr
+    x, y = batch
+    optimizer.zero_grad(set_to_none=True)
+    loss = pipe.step(x, y, broadcast_loss=True)
+    inject("step")  # fault-injection tests only (shardplan.faults)
+    norm = clip_pipeline_grad_norm_(pipe, config.clip)  # clip <= 0: only measures
+    nonfinite = agree_nonfinite(loss, norm, pipe, group)
+    if not nonfinite:
+        optimizer.step()
+    return StepResult(loss, norm, bool(nonfinite), None, nonfinite)
+
+
 class Trainer:
     """One rank of a run: the mesh, the sharded model, the optimizer, the data.
 
@@ -537,8 +640,7 @@ class Trainer:
         init_distributed(self.device)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         #: the parallel dims and their mesh
-        self.dims = ParallelDims.for_world(self.world, **config.parallel_sizes()) \
-            .with_mesh(self.device.type)
+        self.dims = parallel_dims(config, self.world).with_mesh(self.device.type)
         self.tp, self.dp = self.dims.tp, self.dims.dp
         self.tp_rank, self.dp_rank = self.dims.tp_group.rank, self.dims.dp_rank
         #: the replicas whose gradients this rank averages (FSDP2 averages its own)
@@ -553,13 +655,22 @@ class Trainer:
         model.to(self.device).train()
         self.n_params = sum(p.numel() for p in model.parameters())
         example = tuple(t.to(self.device) for t in self.data.batch(0, self.dp_rank))
-        self.sharded = parallelize(model, mesh=self.dims.mesh, example_inputs=example,
-                                   gather_output=False, recompute=config.recompute,
-                                   sequence_parallel=config.sequence_parallel,
-                                   fsdp=config.fsdp,
-                                   compile=config.compile or False)
+        #: with --pp: this rank's pipeline stages (``sharded`` is None), else None
+        self.pipe: Pipeline | None = None
+        self.sharded = None
+        if config.pp > 1:
+            self.pipe = pipeline_parallel(model, example[0], dims=self.dims,
+                                          microbatches=config.microbatches,
+                                          schedule=config.schedule,
+                                          virtual_stages=config.virtual_stages)
+        else:
+            self.sharded = parallelize(model, mesh=self.dims.mesh, example_inputs=example,
+                                       gather_output=False, recompute=config.recompute,
+                                       sequence_parallel=config.sequence_parallel,
+                                       fsdp=config.fsdp,
+                                       compile=config.compile or False)
         self.tracker = manual_seed(config.seed, self.tp_rank)
-        self.optimizer = build_optimizer(self.sharded, config.lr,
+        self.optimizer = build_optimizer(self.trained, config.lr,
                                          weight_decay=config.weight_decay)
         # agreed over the world: TP ranks hold different shards, replicas different batches
         self.scaler = TPGradScaler(self.device.type, enabled=config.fp16)
@@ -574,6 +685,11 @@ class Trainer:
         if config.timeout is not None:  # from the first step: ranks set up at their own pace
             _set_timeout(self.dims.mesh, config.timeout)
 
+    @property
+    def trained(self):
+        """What the optimizer steps: the pipeline (``pipe``) or the sharded model."""
+        return self.sharded if self.pipe is None else self.pipe
+
     # -- one step ----------------------------------------------------------
     def train_step(self) -> dict:
         c, step = self.config, self.step
@@ -581,8 +697,13 @@ class Trainer:
         batch = tuple(t.to(self.device, non_blocking=True)
                       for t in self.data.batch(step, self.dp_rank))
         try:
-            done = training_step(self.sharded, self.optimizer, self.scaler, batch, config=c,
-                                 lr=lr, dp_group=self.dp_group, group=self.world_group)
+            if self.pipe is not None:
+                done = pipeline_step(self.pipe, self.optimizer, batch, config=c, lr=lr,
+                                     group=self.world_group)
+            else:
+                done = training_step(self.sharded, self.optimizer, self.scaler, batch,
+                                     config=c, lr=lr, dp_group=self.dp_group,
+                                     group=self.world_group)
         except CommunicationError as e:  # a dead or hung peer: say which step
             raise _in_step(e, step + 1) from e
         if done.nonfinite and c.on_nonfinite == "stop":  # the same decision on every rank
@@ -662,7 +783,11 @@ class Trainer:
         agree(TorchGroup(), "the replica check", both)
 
     def _check_tp_replicas(self) -> None:
-        check_replicas(self.sharded)
+        """Each tp-sharded model's replicated parameters (with --pp, each stage's)."""
+        modules = [self.sharded] if self.pipe is None else list(self.pipe.modules.values())
+        for module in modules:
+            if isinstance(module, ShardedModule):
+                check_replicas(module)
 
     def _check_dp_replicas(self) -> None:
         """Along dp_replicate every rank holds the same tensors (with HSDP, the same
@@ -751,8 +876,10 @@ class Trainer:
     def _log_header(self) -> None:
         c = self.config
         backend = dist.get_backend()
+        pipeline = (f"pp {c.pp} ({c.schedule}, {c.microbatches} microbatches) x "
+                    if c.pp > 1 else "")
         print(f"shardplan.train: {c.model} ({self.n_params / 1e6:.2f}M parameters), "
-              f"world {self.world} = dp_replicate {self.dims.dp_replicate} x dp_shard "
+              f"world {self.world} = {pipeline}dp_replicate {self.dims.dp_replicate} x dp_shard "
               f"{self.dims.dp_shard} x tp {self.tp}, {backend} on {self.device.type}"
               f"{', bf16 autocast' if c.bf16 else ''}"
               f"{', fp16 autocast with loss scaling' if c.fp16 else ''}"
