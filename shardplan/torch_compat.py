@@ -41,11 +41,16 @@ when torch moves one, this is the file to change. Why no public API serves:
   public hook; ``ShardedGradScaler(process_group=...)`` agrees only in ``unscale_``
   and takes only a torch process group. The found-inf flags and the scale's device
   are the scaler's private state.
+- ``uncached_fake_dispatch`` (``torch._dynamo.config.fake_tensor_cache_enabled``): export's
+  fake-tensor dispatch cache rebuilds each hit's output from symbolic sizes, dearer than
+  running the op's meta function where batch and sequence are symbolic (a capture takes
+  a third to a half longer with it); the switch is only in dynamo's config.
 """
 
 from __future__ import annotations
 
 import torch
+import torch._dynamo.config
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.utils._pytree as pytree
@@ -62,7 +67,7 @@ __all__ = ["pytree", "tree_flatten_spec", "OpOverload", "OpOverloadPacket", "Fak
            "WAIT_TENSOR", "mkldnn_linear", "safe_softmax", "current_graph_task_id",
            "flatten_state_dict", "set_element", "compute_local_shape_and_global_offset",
            "set_child", "share_parameters", "FusedInfCheck", "found_inf_per_device",
-           "scale_device"]
+           "scale_device", "uncached_fake_dispatch"]
 
 WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
 safe_softmax = torch.ops.aten._safe_softmax
@@ -103,3 +108,8 @@ def found_inf_per_device(scaler: torch.amp.GradScaler, optimizer) -> dict:
 def scale_device(scaler: torch.amp.GradScaler) -> torch.device:
     """The device of ``scaler``'s scale (set by its first ``scale``)."""
     return scaler._scale.device
+
+
+def uncached_fake_dispatch():
+    """A context in which fake tensors run every op's meta function (no dispatch cache)."""
+    return torch._dynamo.config.patch(fake_tensor_cache_enabled=False)

@@ -32,7 +32,7 @@ from .capturable import capturable
 from .input_shapes import InputShapes
 from .model_state import check_real, preserved
 from .quiet import quiet_export
-from ..torch_compat import pytree
+from ..torch_compat import pytree, uncached_fake_dispatch
 from . import shared_capture
 
 GUARDS = "_guards_fn"
@@ -170,7 +170,7 @@ def _unaliased(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 
 def _export(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, InputShapes]:
     shapes = _auto_shapes(model, args, kwargs)
-    with _no_kv_cache(model), quiet_export():
+    with _no_kv_cache(model), quiet_export(), uncached_fake_dispatch():
         ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=shapes)
     gm = ep.module()
     gm.meta[IN_SPEC] = ep.call_spec.in_spec
