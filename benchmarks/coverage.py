@@ -6,6 +6,8 @@
     python -m benchmarks.coverage --families gpt2,t5 --no-write
     python -m benchmarks.coverage --libraries  # only the other libraries' models (their section)
 
+Each section ends by printing its five slowest ``plan`` calls (family, tp, seconds).
+
 Each family is built from its own default config shrunk to a tiny size (hidden
 64, 2 layers, 4 heads, 2 KV heads or 1 where the family is multi-query, vocab
 256, 4 experts with top-2) with random weights and a fixed seed, in a fresh
@@ -506,6 +508,15 @@ def summary(results) -> str:
     return text
 
 
+def slowest(results, n: int = 5) -> str:
+    """The ``n`` longest ``plan`` calls over every family and tp, slowest first:
+    ``qwen3_5_text tp2 21.0 s, ...``."""
+    times = sorted(((run["plan_s"], family, tp) for family, _, result in results
+                    for tp, run in result.get("runs", {}).items() if "plan_s" in run),
+                   reverse=True)
+    return ", ".join(f"{family} tp{tp} {s:.1f} s" for s, family, tp in times[:n])
+
+
 def table(results) -> str:
     lines = ["| family | outcome tp2 / tp4 | detail | export tp2: HF tp_plan / DTensor "
              "| params per rank / unsharded, tp2 / tp4 | collectives / Megatron, tp2 / tp4 "
@@ -687,15 +698,16 @@ def survey_library_section(chosen: list[str], selection: str, write: bool) -> No
 def _rewritten_as_it_goes(runs, total: int, selection: str, render, write) -> None:
     """Render each partial result of ``runs`` (results so far, ``total`` in the end) with
     the selection, the load before and now and the time taken; ``write`` each, print the
-    last."""
+    last and its slowest plans."""
     load_before, t0 = os.getloadavg(), time.perf_counter()
-    text = ""
+    text, results = "", []
     for results in runs:
         done = "" if len(results) == total else f" (in progress: {len(results)} of {total} done)"
         text = render(results, selection + done, (load_before[0], os.getloadavg()[0]),
                       time.perf_counter() - t0)
         write(text)
     print(text)
+    print(f"slowest plans: {slowest(results) or 'none planned'}")
 
 
 if __name__ == "__main__":

@@ -49,6 +49,14 @@ def test_classify(run, outcome):
     assert coverage.classify(run)[0] == outcome
 
 
+def test_slowest_plans_are_listed_slowest_first_over_families_and_tps():
+    results = [("a", "causal", {"runs": {2: {"plan_s": 1.0}, 4: {"plan_s": 7.5}}}),
+               ("b", "causal", {"not_built": "needs vision"}),
+               ("c", "causal", {"runs": {"2": {"plan_s": 3.3}, "4": {"error": "x"}}})]
+    assert coverage.slowest(results) == "a tp4 7.5 s, c tp2 3.3 s, a tp2 1.0 s"
+    assert coverage.slowest(results, n=1) == "a tp4 7.5 s"
+
+
 def test_worst_outcome_over_tps_and_folded_names():
     result = {"runs": {2: _run(), 4: _run(ok=False)}}
     assert coverage.outcome_of(result) == "mismatch"

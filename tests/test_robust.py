@@ -386,6 +386,23 @@ def _hf(kind):
     return hf_build(kind, layers=4, heads=8, kv_heads=4), inputs()
 
 
+def _gemma3_sliding_global():
+    """Gemma 3's text model at 4 layers, 3 sliding-window (window 3 of 6 tokens) and 1
+    global: blocks alike in their parameters, unlike in their masks; the last, global, is
+    stamped from the middle one."""
+    pytest.importorskip("transformers")
+    import transformers as tf
+    from hf_cases import VOCAB, inputs
+    torch.manual_seed(0)
+    cfg = tf.Gemma3TextConfig(
+        num_hidden_layers=4, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, max_position_embeddings=64,
+        sliding_window=3, layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        pad_token_id=0, bos_token_id=0, eos_token_id=0, use_cache=False)
+    cfg._attn_implementation = "eager"
+    return tf.Gemma3ForCausalLM(cfg).eval(), inputs()
+
+
 CASES = {
     "per-head-norms": lambda: (PerHeadNorms(), torch.randn(2, 5, 32)),
     "placeholder-slots": lambda: (PlaceholderSlots(), torch.randn(2, 5, 32)),
@@ -394,6 +411,7 @@ CASES = {
     "hf-gpt2": lambda: _hf("gpt2"),
     "hf-llama": lambda: _hf("llama"),
     "hf-bert": lambda: _hf("bert"),
+    "hf-gemma3-sliding-global": _gemma3_sliding_global,
 }
 
 

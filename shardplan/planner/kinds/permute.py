@@ -48,12 +48,11 @@ def viewed_parameter(node: fx.Node) -> tuple[fx.Node, list] | None:
     else None."""
     if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
         return None
-    src = node.args[0]
-    experts = experts_view(src)
-    dims = [None, 0, 1] if experts else list(range(len(shape(src) or ())))
-    src = experts[0] if experts else src
+    experts = experts_view(node.args[0])
+    src = experts[0] if experts else node.args[0]
     if src.op != "get_attr":
         return None
+    dims = [None, 0, 1] if experts else list(range(len(shape(src) or ())))
     if op_name(node) in PERMUTATIONS:
         perm = PERMUTATIONS[op_name(node)](args_of(node), len(tensor_shape(node)))
         return src, [dims[d] for d in perm]
