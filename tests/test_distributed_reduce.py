@@ -18,8 +18,8 @@ from shardplan.ranks import SimulatedRanks
 import split_dim_cases
 from checks import assert_equivalent
 from hf_cases import inputs, reference, step
-from norm_cases import (FAMILIES, Attention, CenteredMLP, NormedMLP, SoftmaxMLP, attention_weights,
-                        build_hf, real_step)
+from norm_cases import (FAMILIES, Attention, CenteredMLP, NormedMLP, SharedRotaryKey, SoftmaxMLP,
+                        attention_weights, build_hf, real_step)
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -46,6 +46,25 @@ def test_rotary_over_head_local_dims_is_sharded(rotary, tp):
                                                   "v.weight": "S(0)", "o.weight": "S(1)"})
     # Megatron's one g (the input needs no gradient: no f), nothing more
     assert [c.purpose for c in plan.collectives] == ["g"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("tp", [2, 4])
+def test_shared_rotary_key_enters_the_heads_before_its_expand(tp):
+    """DeepSeek's rotary key, one for all heads, expanded to every head: its f sums the
+    gradient of the b*s*rope numbers before the expand, not the b*heads*s*rope after it;
+    every rank equals the unsharded model, q/k/v column and o row parallel."""
+    x, (b, t, c, heads, rope) = split_dim_cases.example(), (2, 6, 32, 4, 4)
+    model = SharedRotaryKey(c, heads, rope)
+    results = SimulatedRanks(tp).run(split_dim_cases.step, model, x)
+    assert_equivalent(results, split_dim_cases.reference(model, x))
+    _sharded_on_every_rank(results, {"q.weight": Shard(0), "k.weight": Shard(0),
+                                     "v.weight": Shard(0), "o.weight": Shard(1)})
+    for records in (r[4] for r in results):  # the rotary key's f; o's g
+        assert _ledger(records) == Counter({("all_reduce", "backward", b * t * rope): 1,
+                                            ("all_reduce", "forward", b * t * c): 1})
+    assert [(c.purpose, c.elements) for c in results[0][5].collectives] == [
+        ("f", b * t * rope), ("g", b * t * c)]
 
 
 @pytest.mark.parametrize("tp", [2, 4])
