@@ -157,3 +157,29 @@ class CenteredMLP(nn.Module):
         h = F.gelu(self.up(x))
         h = h - h.mean(-1, keepdim=True)
         return self.down(h * torch.sigmoid(h.sum(-1, keepdim=True)))
+
+
+class SharedRotaryKey(nn.Module):
+    """DeepSeek's multi-head latent attention key: each head's own part (``k``) joined by
+    one rotary part shared by all heads (4 dims of the input scaled by ``k_rope``, kept
+    whole, rotated, then expanded to every head)."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, rope: int = 4):
+        super().__init__()
+        self.heads, self.hd, self.rope = heads, dim // heads, rope
+        self.q, self.v = (nn.Linear(dim, heads * (self.hd + rope), bias=False) for _ in range(2))
+        self.k = nn.Linear(dim, dim, bias=False)
+        self.o = nn.Linear(heads * (self.hd + rope), dim, bias=False)
+        self.k_rope = nn.Parameter(torch.rand(rope) + 0.5)
+        self.register_buffer("angles", torch.outer(torch.arange(16.0), torch.tensor([1.0, 0.1])))
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in (self.q(x), self.v(x)))
+        k = self.k(x).view(B, T, self.heads, self.hd).transpose(1, 2)
+        r = (x[..., :self.rope] * self.k_rope)[:, None]  # [B, 1, T, rope]
+        cos, sin = (f(self.angles[:T]).repeat(1, 2) for f in (torch.cos, torch.sin))
+        r = r * cos + torch.cat([-r[..., 2:], r[..., :2]], -1) * sin
+        k = torch.cat([k, r.expand(B, self.heads, T, self.rope)], -1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(B, T, -1))

@@ -18,8 +18,8 @@ from shardplan.ranks import SimulatedRanks
 import split_dim_cases
 from checks import assert_equivalent
 from hf_cases import inputs, reference, step
-from norm_cases import (FAMILIES, Attention, CenteredMLP, NormedMLP, SoftmaxMLP, attention_weights,
-                        build_hf, real_step)
+from norm_cases import (FAMILIES, Attention, CenteredMLP, NormedMLP, SharedRotaryKey, SoftmaxMLP,
+                        attention_weights, build_hf, real_step)
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -46,6 +46,25 @@ def test_rotary_over_head_local_dims_is_sharded(rotary, tp):
                                                   "v.weight": "S(0)", "o.weight": "S(1)"})
     # Megatron's one g (the input needs no gradient: no f), nothing more
     assert [c.purpose for c in plan.collectives] == ["g"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("tp", [2, 4])
+def test_shared_rotary_key_enters_the_heads_before_its_expand(tp):
+    """DeepSeek's rotary key, one for all heads, expanded to every head: its f sums the
+    gradient of the b*s*rope numbers before the expand, not the b*heads*s*rope after it;
+    every rank equals the unsharded model, q/k/v column and o row parallel."""
+    x, (b, t, c, heads, rope) = split_dim_cases.example(), (2, 6, 32, 4, 4)
+    model = SharedRotaryKey(c, heads, rope)
+    results = SimulatedRanks(tp).run(split_dim_cases.step, model, x)
+    assert_equivalent(results, split_dim_cases.reference(model, x))
+    _sharded_on_every_rank(results, {"q.weight": Shard(0), "k.weight": Shard(0),
+                                     "v.weight": Shard(0), "o.weight": Shard(1)})
+    for records in (r[4] for r in results):  # the rotary key's f; o's g
+        assert _ledger(records) == Counter({("all_reduce", "backward", b * t * rope): 1,
+                                            ("all_reduce", "forward", b * t * c): 1})
+    assert [(c.purpose, c.elements) for c in results[0][5].collectives] == [
+        ("f", b * t * rope), ("g", b * t * c)]
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -81,14 +100,17 @@ def test_mean_and_sum_over_the_split_hidden_dim(tp):
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("norm", ["layer", "rms"])
 def test_fused_norm_over_the_split_hidden_dim(norm, tp):
-    """aten.layer_norm / aten.rms_norm over a split dim are written out as means: two
-    stat all-reduces (mean, variance) for LayerNorm, one for RMSNorm; its weight and bias
-    split with the hidden dim."""
+    """aten.layer_norm / aten.rms_norm over a split dim are written out as means: one stat
+    all-reduce forward for either (LayerNorm's mean and mean of squares in one message of
+    2*b*s numbers, RMSNorm's mean of squares of b*s) and one f backward (LayerNorm's mean
+    and inverse deviation stacked); its weight and bias split with the hidden dim."""
     weights = {"up.weight": "S(0)", "down.weight": "S(1)", "norm.weight": "S(0)"}
     if norm == "layer":
         weights["norm.bias"] = "S(0)"
     plan = _check_pattern(NormedMLP(norm), tp, weights)
-    assert plan.count(purpose="stat") == (2 if norm == "layer" else 1)
+    stats = 2 if norm == "layer" else 1  # numbers per token in the message
+    assert [(c.purpose, c.direction, c.elements) for c in plan.collectives] == [
+        ("stat", "forward", 12 * stats), ("f", "backward", 12 * stats), ("g", "forward", 12 * 32)]
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -105,12 +127,13 @@ def test_softmax_over_the_split_hidden_dim(kind, tp):
 
 def test_max_that_needs_its_gradient_is_distributed():
     """``x - x.amax(-1)`` over a split dim: written out as the max of the detached input
-    (all-reduced by max), how many elements reach it and their sum shared among them
-    (two sums), so the region stays column/row parallel; the ties case is
+    (all-reduced by max), then the sum of the elements at it and their count (one
+    stacked sum of 2*b*s numbers), so the region stays column/row parallel; the ties case is
     ``test_written_out_reductions_equal_on_every_rank``."""
     plan = _check_pattern(SoftmaxMLP("amax"), 2, {"up.weight": "S(0)", "down.weight": "S(1)"})
     assert [c.chosen for c in plan.choices] == ["distributed"]
-    assert plan.count(purpose="stat") == 3
+    assert [(c.kind, c.elements) for c in plan.collectives if c.purpose == "stat"] == [
+        ("all_reduce", 12), ("all_reduce", 24)]  # the max (by max), the stacked sums
 
 
 class Score(torch.nn.Module):
@@ -189,7 +212,8 @@ def test_real_gloo_interleaved_rotary_and_distributed_norm(real_ranks):
             ("sparse_coder", "enc.weight", {("all_gather", "forward", 8 * 256): 1,
                                             ("all_reduce", "backward", 8 * 256): 1,
                                             ("all_gather", "forward", 8 * 16): 1}),
-            ("amax_ties", "up.weight", {("all_reduce", "forward", tokens): 3,
+            ("amax_ties", "up.weight", {("all_reduce", "forward", tokens): 1,
+                                        ("all_reduce", "forward", 2 * tokens): 1,
                                         ("all_reduce", "backward", tokens): 1,
                                         ("all_reduce", "forward", tokens * 32): 1}),
             ("normalize", "up.weight", {("all_reduce", "forward", tokens): 1,
@@ -267,15 +291,19 @@ def test_gather_move_loses_to_replication_on_many_tokens():
     assert shardplan.verify(model, 2, example_inputs=(x,)).ok
 
 
-# stat all-reduces (b*s each, forward) and f's (b*s each, backward) of each written-out
-# reduction over the split hidden dim, counted by hand
+# the stat all-reduces (forward) and f's (backward) of each written-out reduction over the
+# split hidden dim, counted by hand: (direction, numbers per token) -> how many
 _STATS = {
-    "var": (2, 2),  # mean; centred mean of squares (times n / (n - 1))
-    "std": (3, 3),  # the model's own mean; std's mean and mean of squares
-    "normalize": (1, 1),  # the sum of squares (its square root clamped, then divided by)
-    "layer_norm_2d": (2, 2),  # mean and variance over (4, 16)
-    "amax": (3, 1),  # max (by max), count of elements at it, their shared sum; its f
-    "amax_ties": (3, 1),
+    # the mean and mean of squares in one message; the variance's f
+    "var": {("forward", 2): 1, ("backward", 1): 1},
+    # the model's own mean and its f; std's stacked moments and its f
+    "std": {("forward", 1): 1, ("forward", 2): 1, ("backward", 1): 2},
+    "normalize": {("forward", 1): 1, ("backward", 1): 1},  # the sum of squares; its f
+    # the stacked moments over (4, 16); the mean and inverse deviation's one f
+    "layer_norm_2d": {("forward", 2): 1, ("backward", 2): 1},
+    # the max (by max); the sum at the maxima and their count stacked; the max's f
+    "amax": {("forward", 1): 1, ("forward", 2): 1, ("backward", 1): 1},
+    "amax_ties": {("forward", 1): 1, ("forward", 2): 1, ("backward", 1): 1},
 }
 
 
@@ -292,9 +320,8 @@ def test_written_out_reductions_equal_on_every_rank(kind):
     results = SimulatedRanks(tp).run(split_dim_cases.step, model, x)
     assert_equivalent(results, split_dim_cases.reference(model, x))
     _sharded_on_every_rank(results, {"up.weight": Shard(0), "down.weight": Shard(1)})
-    stats, fs = _STATS[kind]
-    want = Counter({("all_reduce", "forward", tokens): stats, ("all_reduce", "backward", tokens): fs,
-                    ("all_reduce", "forward", tokens * 32): 1})  # + down's g
+    want = Counter({("all_reduce", d, tokens * n): k for (d, n), k in _STATS[kind].items()})
+    want[("all_reduce", "forward", tokens * 32)] += 1  # down's g
     for records in (r[4] for r in results):
         assert _ledger(records) == want
     assert [c.chosen for c in results[0][5].choices] == ["distributed"]

@@ -147,9 +147,14 @@ def test_family_is_sharded_and_equal(family, tp):
             {"q_norm": "distributed", "k_norm": "distributed"}
     if family.startswith(("mixtral", "qwen2_moe")):
         assert_params_per_rank(model, plan, tp)
-    if family.startswith(("mixtral", "qwen2_moe", "deepseek_v3", "dbrx")):
+    if family == "deepseek_v3":  # the shared rotary key's f before its expand to the heads
+        rope = model.config.qk_rope_head_dim
+        assert [c.elements for c in plan.collectives if c.purpose == "f"].count(
+            plan.tokens * rope) == 1
+    if family.startswith(("mixtral", "qwen2_moe", "deepseek_v3", "dbrx", "gpt_oss")):
         # Megatron's one g per MoE layer (b*s*h), after the experts' combine and the
-        # shared expert's sum: not one per top-k copy, nor one per expert kind
+        # shared expert's sum (GPT-OSS: its experts' biases carried beside the partial
+        # sum): not one per top-k copy, nor one per expert kind
         g = [c for c in plan.collectives
              if c.purpose == "g" and (".mlp" in c.module or ".ffn" in c.module)]
         assert [c.elements for c in g] == [plan.tokens * model.config.hidden_size], g

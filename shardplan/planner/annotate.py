@@ -38,7 +38,7 @@ from ..errors import ShardplanError
 from ..layouts import Layout, MeshSizes
 from .graph import op_name
 from .kinds import Role
-from .reassociate import regroup
+from .reassociate import carry_apart, regroup
 from .decompose import decomposable, decompose
 from .choices import Alternative, Choice, cost_of
 from .rules import RuleSet
@@ -80,8 +80,11 @@ def annotate(gm: fx.GraphModule, dims: MeshSizes, rules: RuleSet, *, strict: boo
     undistributed = _reductions(gm, rules)  # reductions kept from running distributed (all, first)
     gather: frozenset[str] = frozenset()  # names of the ops whose split operands are all-gathered
     ann = planned(gm, undistributed, gather)
+    through = rules.strategy.partial_through
     for _ in gm.graph.nodes:  # x + P1 + P2 as x + (P1 + P2): one g; at most one a node
-        if sequence_parallel or not regroup(gm, ann.layouts, rules.strategy.partial_through):
+        # (and chain(P + b) as chain(P) + chain(b): the g after the chain)
+        if sequence_parallel or not (regroup(gm, ann.layouts, through)
+                                     or carry_apart(gm, ann.layouts, through)):
             break
         ann = planned(gm, undistributed, gather)
     regions: dict[frozenset[str], set[str]] = {}  # openers -> the ops that stopped them, by name

@@ -5,13 +5,16 @@ reductions the rules can distribute.
 ``linalg_vector_norm`` (``F.normalize``'s) and a max whose gradient is needed are one op
 each, so a split reduced dim stops the region at them. Written out they are made of
 reductions that run distributed (``kinds/reduce.py``) and elementwise ops:
-a norm of means over its normalized (trailing) dims (mean, centre, mean of squares,
-rsqrt, weight, bias), a softmax or logsumexp of a max and a sum (``exp(x - max) / sum``;
-the max of the detached input, a constant shift, so it needs no gradient), a variance
-of the centred mean of squares times ``n / (n - correction)``, a 2-norm of a sum of
-squares, and a max with a gradient as ``sum(x * (x == m) / count)`` with ``m`` the max of
-the detached input and ``count`` how many elements equal it (over every rank): torch
-gives each tied maximum an equal share of the gradient, and so does this. ``annotate``
+a norm of the mean and the mean of squares over its normalized (trailing) dims, both
+from one mean of ``x`` and ``x * x`` stacked (one message for both statistics; the
+variance their difference), its mean and inverse deviation entering the parts stacked
+too (one f for both gradients), then weight and bias; a softmax or logsumexp of a max
+and a sum (``exp(x - max) / sum``; the max of the detached input, a constant shift, so
+it needs no gradient), a variance from the same stacked moments times
+``n / (n - correction)``, a 2-norm of a sum of squares, and a max with a gradient as
+``sum(x * (x == m)) / count`` with ``m`` the max of the detached input and ``count``
+how many elements equal it (over every rank; the sum and the count one stacked sum):
+torch gives each tied maximum an equal share of the gradient, and so does this. ``annotate``
 rewrites only the ops whose region stopped there, in the captured graph, before planning
 again; the result equals the fused op (computed in float32 for half inputs, as the fused
 kernels do).
@@ -65,6 +68,13 @@ def _static(node: fx.Node, dims) -> bool:
     return all(isinstance(cast(fx.Node, node.args[0]).meta["val"].shape[d], int) for d in dims)
 
 
+def _val(a):
+    """An argument's fake value (of each node in a list)."""
+    if isinstance(a, (list, tuple)):
+        return [_val(b) for b in a]
+    return a.meta["val"] if isinstance(a, fx.Node) else a
+
+
 class _Writer:
     """Inserts ops before ``node``, each with its fake value and ``node``'s provenance."""
 
@@ -73,7 +83,7 @@ class _Writer:
         self.fake = node.meta["val"].fake_mode
 
     def __call__(self, op, *args, **kwargs):
-        vals = [a.meta["val"] if isinstance(a, fx.Node) else a for a in args]
+        vals = [_val(a) for a in args]
         with self.graph.inserting_before(self.node):
             new = self.graph.call_function(op, tuple(args), kwargs)
         with self.fake:
@@ -109,12 +119,24 @@ def _normalized(args) -> list[int]:
 
 
 def _layer_norm(w: _Writer, x, args):
-    dims = _normalized(args)
-    mean = w(aten.mean.dim, x, dims, True)
-    xc = w(aten.sub.Tensor, x, mean)
-    var = w(aten.mean.dim, w(aten.mul.Tensor, xc, xc), dims, True)
-    y = w(aten.mul.Tensor, xc, w(aten.rsqrt.default, w(aten.add.Scalar, var, args["eps"])))
+    mean, var = _moments(w, x, _normalized(args))
+    rstd = w(aten.rsqrt.default, w(aten.add.Scalar, var, args["eps"]))
+    # the two statistics enter the parts stacked: one f sums both gradients
+    both = w(aten.stack.default, [mean, rstd])
+    mean, rstd = (w(aten.select.int, both, 0, i) for i in (0, 1))
+    y = w(aten.mul.Tensor, w(aten.sub.Tensor, x, mean), rstd)
     return _affine(w, y, args)
+
+
+def _moments(w: _Writer, x, dims: list[int]):
+    """The mean and the (biased) variance of ``x`` over ``dims``, kept: both from one
+    mean of ``x`` and ``x * x`` stacked, so a split dim costs one message of both."""
+    rank = x.meta["val"].dim()
+    both = w(aten.stack.default, [x, w(aten.mul.Tensor, x, x)])
+    stats = w(aten.mean.dim, both, [d % rank - rank for d in dims], True)
+    mean, square = (w(aten.select.int, stats, 0, i) for i in (0, 1))
+    var = w(aten.sub.Tensor, square, w(aten.mul.Tensor, mean, mean))
+    return mean, w(aten.clamp_min.default, var, 0.0)  # rounding may take it below 0
 
 
 def _rms_norm(w: _Writer, x, args):
@@ -158,8 +180,7 @@ def _variance(w: _Writer, x, args, root: bool = False):
     if "unbiased" in args:  # var.dim / std.dim
         correction = 1 if args["unbiased"] else 0
     correction = 1 if correction is None else correction
-    xc = w(aten.sub.Tensor, x, w(aten.mean.dim, x, dims, True))
-    y = w(aten.mean.dim, w(aten.mul.Tensor, xc, xc), dims, True)
+    y = _moments(w, x, dims)[1]
     if correction:
         y = w(aten.mul.Scalar, y, n / (n - correction) if n > correction else math.inf)
     if root:
@@ -181,8 +202,10 @@ def _amax(w: _Writer, x, args):
     dims = _dims(w.node, args.get("dim"))
     top = w(aten.amax.default, w(aten.detach.default, x), dims, True)
     hit = w(aten._to_copy.default, w(aten.eq.Tensor, x, top), dtype=x.meta["val"].dtype)
-    share = w(aten.div.Tensor, hit, w(aten.sum.dim_IntList, hit, dims, True))
-    y = w(aten.sum.dim_IntList, w(aten.mul.Tensor, x, share), dims, True)
+    # the sum at the maxima and their count, stacked: one message of both
+    both = w(aten.stack.default, [w(aten.mul.Tensor, x, hit), hit])
+    stats = w(aten.sum.dim_IntList, both, [d + 1 for d in dims], True)
+    y = w(aten.div.Tensor, *(w(aten.select.int, stats, 0, i) for i in (0, 1)))
     return y if args.get("keepdim") else w(aten.squeeze.dims, y, dims)
 
 

@@ -8,6 +8,12 @@ associative, so ``x + (P1 + P2)`` computes the same value with one g after
 ``P1 + P2`` (GPT-NeoX's own trainer reduces once so). ``regroup`` rewrites
 every such chain of additions in place; the annotation then joins the
 partial sums (``linear_chains.pass_partials``).
+
+A replicated term added to a partial sum before ops linear in both (GPT-OSS's
+experts: each expert's bias added to its row-parallel output, then weighted
+and summed over the top-k) is carried apart: ``chain(P + b)`` computes as
+``chain(P) + chain(b)`` (``carry_apart``), so the g follows ``P`` to where the
+chain is smallest (after the top-k sum: b*s*h, not b*s*k*h).
 """
 
 from __future__ import annotations
@@ -17,8 +23,8 @@ from typing import cast
 import torch
 import torch.fx as fx
 
-from ..layouts import Partial
-from .graph import op_name
+from ..layouts import Partial, Replicate
+from .graph import numel, op_name
 
 _ADD, _ADD_ = "aten.add.Tensor", "aten.add_.Tensor"
 
@@ -102,3 +108,69 @@ def _same_shape(terms: tuple, outer: fx.Node) -> bool:
     vals = [t.meta.get("val") for t in terms]
     return isinstance(want, torch.Tensor) and all(
         isinstance(v, torch.Tensor) and v.shape == want.shape for v in vals)
+
+
+def carry_apart(gm: fx.GraphModule, layouts: dict, through: dict) -> bool:
+    """Rewrite one ``chain(P + b)`` (or ``P += b`` then ``chain(P)``) of ``gm`` as
+    ``chain(P) + chain(b)``: ``P`` partial in ``layouts``, ``b`` replicated and of its
+    shape, ``chain`` ops linear in the sum, each read by the next alone, up to the
+    smallest tensor on the way, smaller than the sum. True if one was rewritten
+    (annotate again, then call again)."""
+    for add in gm.graph.nodes:
+        kind = _add_kind(add)
+        if kind is None:
+            continue
+        terms = [t for t in add.args if _partial(t, layouts, through)]
+        rest = [t for t in add.args if t not in terms]
+        if len(terms) != 1 or len(rest) != 1 or not isinstance(layouts.get(rest[0]), Replicate) \
+                or not _same_shape((terms[0], rest[0]), add) \
+                or (kind == _ADD_ and (add.args[0] is not terms[0] or len(terms[0].users) != 1)):
+            continue  # in place: only into the partial sum, which nothing else reads
+        chain = _smaller_chain(add, layouts, through)
+        if chain:
+            _replay(gm, add, chain, terms[0], rest[0])
+            return True
+    return False
+
+
+def _smaller_chain(add: fx.Node, layouts: dict, through: dict) -> list[tuple[fx.Node, int]]:
+    """The ops after ``add``, each linear in the one before (at the position given) and
+    its only reader, its other operands replicated, up to the smallest (``[]`` when
+    none is smaller than ``add``)."""
+    chain, cur = [], add
+    while len(cur.users) == 1:
+        nxt = next(iter(cur.users))
+        pos = [i for i, a in enumerate(nxt.args) if a is cur] if nxt.op == "call_function" else []
+        if len(pos) != 1 or pos[0] not in through.get(op_name(nxt), ()) or any(
+                isinstance(a, fx.Node) and not isinstance(layouts.get(a), Replicate)
+                for i, a in enumerate(nxt.args) if i != pos[0]) or cur in nxt.kwargs.values():
+            break
+        chain.append((nxt, pos[0]))
+        cur = nxt
+    sizes = [numel(n) for n, _ in chain]
+    if not sizes or min(sizes) >= numel(add):
+        return []
+    return chain[:sizes.index(min(sizes)) + 1]
+
+
+def _replay(gm: fx.GraphModule, add: fx.Node, chain: list, part: fx.Node, whole: fx.Node) -> None:
+    """``chain`` run on ``part`` and on ``whole`` apart, the two added where it ended."""
+    end = chain[-1][0]
+    ends = []
+    with gm.graph.inserting_before(end.next):  # in order, after the chain
+        for term in (part, whole):
+            cur = term
+            for node, pos in chain:
+                args = list(node.args)
+                args[pos] = cur
+                new = gm.graph.call_function(node.target, tuple(args), dict(node.kwargs))
+                new.meta = dict(node.meta)
+                cur = new
+            ends.append(cur)
+        total = gm.graph.call_function(torch.ops.aten.add.Tensor, tuple(ends))
+    total.meta = dict(end.meta)
+    end.replace_all_uses_with(total)
+    for node, _ in reversed(chain):
+        gm.graph.erase_node(node)
+    gm.graph.erase_node(add)
+    gm.recompile()

@@ -127,7 +127,7 @@ def derive_transitions(ann: Annotation) -> list[Transition]:
                                   Collective.ALL_REDUCE_MAX if maximum else Collective.ALL_REDUCE,
                                   Collective.NONE,
                                   (message(node),), dtype_of(node), mesh_dim=ann.dim))
-    out = bucket_grad_sums(out)
+    out = bucket_grad_sums(merge_part_fs(out))
     output = next(n for n in ann.gm.graph.nodes if n.op == "output")
     for a in output.all_input_nodes:
         lay = ann.read(a)
@@ -136,6 +136,28 @@ def derive_transitions(ann: Annotation) -> list[Transition]:
                                   Collective.ALL_GATHER, Collective.LOCAL_SLICE,
                                   (message(a),), dtype_of(a), mesh_dim=ann.dim))
     return out
+
+
+def merge_part_fs(ts: list[Transition]) -> list[Transition]:
+    """The f's of the parts of one replicated tensor (``select``s of a stack: a
+    written-out LayerNorm's mean and inverse deviation) as one f of the whole, where
+    the parts are its only readers and each part's f serves all its readers: one
+    all-reduce of both gradients instead of one each, in the first one's place."""
+    by_whole: dict[fx.Node, list[int]] = {}
+    for i, t in enumerate(ts):
+        if t.purpose is Purpose.F and op_name(t.src) == "aten.select.int" \
+                and {c for c, _ in t.consumers} == set(t.src.users):
+            by_whole.setdefault(cast(fx.Node, t.src.args[0]), []).append(i)
+    merged: dict[int, Transition] = {}
+    dropped: set[int] = set()
+    for whole, idx in by_whole.items():
+        parts = [ts[i].src for i in idx]
+        if len(idx) < 2 or set(parts) != set(whole.users):
+            continue
+        merged[idx[0]] = replace(ts[idx[0]], src=whole, consumers=tuple((p, (0,)) for p in parts),
+                                 messages=(message(whole),), dtype=dtype_of(whole))
+        dropped.update(idx[1:])
+    return [merged.get(i, t) for i, t in enumerate(ts) if i not in dropped]
 
 
 def _replica_sum_message(a: fx.Node, lay: Shard) -> tuple[int, ...]:
