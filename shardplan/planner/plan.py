@@ -252,7 +252,7 @@ def plan(model: nn.Module, tp: int, *, example_inputs=None, rules="megatron",
         example_inputs = token_batch(model, batch, seq)
     args, kwargs = example_args(model, example_inputs)
     if pp is not None:
-        layers, per_rank, microbatches = check_plan_arguments(
+        block_list, per_rank, stage_microbatches = check_plan_arguments(
             model, args, kwargs, pp=pp, schedule=schedule, microbatches=microbatches,
             virtual_stages=virtual_stages, layers=layers)
     captured = _capture_stamped(model, args, kwargs)
@@ -270,7 +270,7 @@ def plan(model: nn.Module, tp: int, *, example_inputs=None, rules="megatron",
     if pp is not None:
         p.pipeline = estimate_pipeline(
             p, model, captured, ann, args, kwargs, pp=pp, schedule=schedule,
-            microbatches=microbatches, per_rank=per_rank, layers=layers,
+            microbatches=stage_microbatches, per_rank=per_rank, layers=block_list,
             dtype=dtype or next(model.parameters()).dtype,
             shard=dims.dp_shard if fsdp else 1, recompute=recompute, optimizer=optimizer,
             memory_limit=gpu_memory)

@@ -40,6 +40,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn as nn
@@ -66,7 +67,8 @@ def find_layers(model: nn.Module, layers: str | None = None, *, where: str) -> s
         if layers not in lists:
             raise ConfigurationError(
                 f"layers={layers!r} is not a non-empty nn.ModuleList of {type(model).__name__}",
-                where=where, fix=f"name one of {sorted(lists) or 'its nn.ModuleLists (it has none)'}")
+                where=where,
+                fix=f"name one of {sorted(lists) or 'its nn.ModuleLists (it has none)'}")
         return layers
     if not lists:
         raise ConfigurationError(
@@ -74,6 +76,11 @@ def find_layers(model: nn.Module, layers: str | None = None, *, where: str) -> s
             where=where,
             fix="hold the repeated layers in an nn.ModuleList and pass its name as layers=")
     return max(lists, key=lambda n: len(lists[n]))
+
+
+def block_count(model: nn.Module, layers: str) -> int:
+    """How many blocks the ``nn.ModuleList`` ``layers`` of ``model`` holds."""
+    return len(cast(nn.ModuleList, model.get_submodule(layers)))
 
 
 def check_schedule(schedule: str, virtual_stages: int | None, *, known, where: str) -> int:
@@ -138,7 +145,7 @@ def check_plan_arguments(model: nn.Module, args: tuple, kwargs: dict, *, pp, sch
     rows = {x.shape[0] for x in [*args, *kwargs.values()]
             if isinstance(x, torch.Tensor) and x.dim()}
     check_microbatches(microbatches, pp=pp, per_rank=per_rank, schedule=schedule, rows=rows,
-                       n_blocks=len(model.get_submodule(layers)), layers=layers, where="plan")
+                       n_blocks=block_count(model, layers), layers=layers, where="plan")
     return layers, per_rank, microbatches
 
 
@@ -206,7 +213,9 @@ def balance(costs: list[float], stages: int) -> list[int]:
     """The first block of each of ``stages`` contiguous runs of ``costs`` whose largest
     sum is the smallest possible (of equal ones, the earliest cuts)."""
     prefix = [0, *itertools.accumulate(costs)]
-    return partition(len(costs), stages, lambda k, a, b: prefix[b] - prefix[a])
+    starts = partition(len(costs), stages, lambda k, a, b: prefix[b] - prefix[a])
+    assert starts is not None  # without a limit every cut fits
+    return starts
 
 
 # --------------------------------------------------------------------------- the estimate
@@ -334,7 +343,7 @@ def estimate_pipeline(plan, model: nn.Module, captured, ann, args, kwargs, *, pp
     """The stages of ``plan``'s model cut by cost under ``memory_limit`` bytes per rank
     (see the module docstring); the arguments checked (``check_schedule``,
     ``check_microbatches``)."""
-    n = len(model.get_submodule(layers))
+    n = block_count(model, layers)
     names = [f"{layers}.{i}" for i in range(n)]
     one = [_microbatch(a, microbatches) for a in args]
     run = fake_run(model, captured, ann, one, {k: _microbatch(v, microbatches)
@@ -351,6 +360,7 @@ def estimate_pipeline(plan, model: nn.Module, captured, ann, args, kwargs, *, pp
     overflow = None
     if starts is None:  # nothing fits: the cut needing least memory, and by how much not
         starts = partition(n, count, cut.memory)
+        assert starts is not None and share is not None  # only a limit leaves no cut
         overflow = _overflow(cut, starts, n, share, layers)
     return _estimate(cut, starts, n, memory_limit, overflow, layers)
 
