@@ -5,15 +5,15 @@
 
 Workers are started lazily by the first ``run()`` (or by ``start()``), each
 joins one gloo process group over a ``TCPStore`` held by this process on
-127.0.0.1 (collective timeout = ``timeout``; one torch thread per worker),
-and then serves tasks. They fork from multiprocessing's fork server, which
-imports torch and this package once per process: the first pool costs the
-imports (seconds), later pools and respawns a fraction of a second
-(``spawn_seconds`` holds the last). A worker takes the environment of the
-pool's process as it is when the pool starts, not the server's. Tasks and results travel as plain pickles
-through one pipe per worker, so every rank gets its own copy of the
-arguments (nothing is shared memory) and returned tensors are detached,
-compacted CPU copies.
+127.0.0.1 (collective timeout = ``timeout``; one torch thread per worker), and
+then serves tasks. They fork from multiprocessing's fork server (spawn where
+the platform has none), which imports torch and this package once per process:
+the first pool costs the imports (seconds), later pools and respawns a
+fraction of a second (``spawn_seconds`` holds the last). A worker takes the
+environment of the pool's process as it is when the pool starts, not the
+server's. Tasks and results travel as plain pickles through one pipe per
+worker, so every rank gets its own copy of the arguments (nothing is shared
+memory) and returned tensors are detached, compacted CPU copies.
 
 A worker's captures are shared within one run (``planner.shared_capture``: a
 model of the same structure, called the same way, is exported once); with
@@ -88,8 +88,7 @@ class RealRanks(Ranks):
         if self._procs:
             return
         t0 = time.monotonic()
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload([__name__])  # a worker forks with torch imported
+        ctx = _start_context()
         self._store = dist.TCPStore(_HOST, 0, is_master=True, wait_for_workers=False,
                                     timeout=timedelta(seconds=self.timeout))
         for rank in range(self.world_size):
@@ -229,6 +228,16 @@ class RealRanks(Ranks):
         return CommunicationError(
             f"RealRanks rank {rank} died during {what} (exit code {p.exitcode})",
             fix="see the worker's output above; it crashed or was killed")
+
+
+def _start_context():
+    """Multiprocessing's fork server, preloaded with this module (so torch), where the
+    platform has one; spawn elsewhere."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    return ctx
 
 
 def _rebuild(rank: int, exc_bytes, type_name: str, message: str, tb: str) -> BaseException:
