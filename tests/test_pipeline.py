@@ -23,7 +23,7 @@ from shardplan.layouts import Placement, Shard
 from shardplan.models import build
 from shardplan.parallel.pipeline import check_config, one_form, pipeline_parallel
 from shardplan.parallel_dims import ParallelDims
-from shardplan.planner.stages import balance
+from shardplan.planner.stages import partition
 
 RTOL, ATOL = 1e-5, 1e-4
 
@@ -160,6 +160,12 @@ def test_tied_shards_split_alike_or_refused():
         one_form(TIED, {0: form, 1: ("S(1)", (96, 16), torch.float32)})
     assert all(w in str(e.value) for w in [*TIED, "stage 0: S(0) [48, 32]",
                                            "stage 1: S(1) [96, 16]"]), str(e.value)
+
+
+def balance(costs: list[int], stages: int) -> list[int]:
+    """``partition`` of blocks costing ``costs``, a stage's cost their sum, no limit."""
+    prefix = [0, *itertools.accumulate(costs)]
+    return partition(len(costs), stages, lambda k, a, b: prefix[b] - prefix[a])
 
 
 def _largest(costs, starts):

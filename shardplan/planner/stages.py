@@ -209,15 +209,6 @@ def partition(n: int, stages: int, cost: Callable[[int, int, int], float],
     return starts[::-1]
 
 
-def balance(costs: list[float], stages: int) -> list[int]:
-    """The first block of each of ``stages`` contiguous runs of ``costs`` whose largest
-    sum is the smallest possible (of equal ones, the earliest cuts)."""
-    prefix = [0, *itertools.accumulate(costs)]
-    starts = partition(len(costs), stages, lambda k, a, b: prefix[b] - prefix[a])
-    assert starts is not None  # without a limit every cut fits
-    return starts
-
-
 # --------------------------------------------------------------------------- the estimate
 
 class StageEstimate(BaseModel):

@@ -10,12 +10,18 @@ from ..planner import blocks
 from ..planner.purposes import PURPOSES
 
 
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
+def _scaled(n: float, base: int, units: tuple[str, ...]) -> str:
+    """``n`` in the largest of ``units`` (each ``base`` times the one before) below ``base``."""
+    for unit in units:
+        if abs(n) < base or unit == units[-1]:
+            return f"{n:.0f} {unit}".rstrip() if unit == units[0] else f"{n:.2f} {unit}"
+        n /= base
     return str(n)
+
+
+def human(n: float) -> str:
+    """``1.50 KiB``: bytes with a binary prefix."""
+    return _scaled(n, 1024, ("B", "KiB", "MiB", "GiB", "TiB"))
 
 
 def render_text(plan, width: int = 100) -> str:
@@ -112,11 +118,7 @@ def stage_blocks(s, layers: str) -> str:
 
 def count(n: float) -> str:
     """``1.23 G``: a count with a decimal prefix."""
-    for unit in ("", "K", "M", "G", "T"):
-        if abs(n) < 1000 or unit == "T":
-            return f"{n:.0f}" if unit == "" else f"{n:.2f} {unit}"
-        n /= 1000
-    return str(n)
+    return _scaled(n, 1000, ("", "K", "M", "G", "T"))
 
 
 def _pipeline(pipe) -> list[str]:
