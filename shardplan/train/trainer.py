@@ -243,7 +243,8 @@ class TrainConfig:
             raise ConfigurationError("resume='auto' without a save directory", where="--resume auto",
                                      fix="pass --save DIR too: auto resumes its newest checkpoint")
         if self.timeout is not None and self.timeout <= 0:
-            raise ConfigurationError(f"timeout={self.timeout} must be > 0 seconds")
+            raise ConfigurationError(f"timeout={self.timeout} must be > 0 seconds",
+                                     where="--timeout", fix="pass a positive number of seconds")
         if self.save_every and not self.save:
             raise ConfigurationError(f"save_every={self.save_every} without a save directory",
                                      fix="pass --save DIR too")
