@@ -7,6 +7,7 @@ One case measures resident memory on real gloo ranks.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import json
@@ -200,6 +201,32 @@ def test_parameters_on_meta_keeps_computed_buffers():
         raise ValueError
     assert torch.nn.Module.register_parameter is register
     assert not torch.nn.Linear(2, 2).weight.is_meta
+
+
+def test_parameters_on_meta_in_threads_building_at_once():
+    """Threads entering and leaving the block while others build models (simulated ranks
+    loading a checkpoint): no thread sees another's hook come or go, those inside get
+    meta parameters, those outside real ones."""
+    start = threading.Barrier(4)
+    got, errors = {}, []
+
+    def build_many(i: int):
+        try:
+            start.wait()
+            for _ in range(20):
+                with ck.parameters_on_meta() if i % 2 else contextlib.nullcontext():
+                    m = build("gpt-tiny", n_layer=2)
+                got.setdefault(i, set()).update(p.is_meta for p in m.parameters())
+        except Exception as e:  # noqa: BLE001 - reported below, with the thread
+            errors.append((i, e))
+
+    threads = [threading.Thread(target=build_many, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert got == {0: {False}, 1: {True}, 2: {False}, 3: {True}}
 
 
 def pretrained(ctx, path):

@@ -6,6 +6,9 @@ never gets a value. ``parameters_on_meta`` lets the constructor run on the CPU a
 moves each parameter to meta as it is registered (torch's parameter registration
 hook), so buffers keep their computed values and initializers run on meta, costing
 nothing. It acts only in the threads inside the block (simulated ranks are threads).
+The hook is registered once, when this module is imported, and never removed: torch
+keeps such hooks in one global dict, which registering or removing one while another
+thread builds a module would change under its iteration.
 """
 
 from __future__ import annotations
@@ -24,13 +27,14 @@ def _to_meta(module, name, param):
     return None  # keep it
 
 
+register_module_parameter_registration_hook(_to_meta)
+
+
 @contextlib.contextmanager
 def parameters_on_meta():
     """Within the block, every parameter a module registers in this thread goes to ``meta``."""
     _INSIDE.depth = getattr(_INSIDE, "depth", 0) + 1
-    handle = register_module_parameter_registration_hook(_to_meta)
     try:
         yield
     finally:
-        handle.remove()
         _INSIDE.depth -= 1
